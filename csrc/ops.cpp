@@ -1,0 +1,72 @@
+// Every op schema of the lab, in one place (pytorch/extension-cpp style).
+// Kernels register per backend in csrc/cpu/*.cpp (CPU) and csrc/cuda/*.cu
+// (CUDA); the Python API in glm5_ops/ wraps these with argument checks,
+// register_fake and autograd. An op whose kernel has not landed for a device
+// raises NotImplementedError from the dispatcher; glm5_ops re-raises it with
+// the op and backend named.
+//
+// Shapes: B batch, S queries, T keys, H heads, D head dim, E experts.
+// See shared/ARCHITECTURE.md section 3 and glm5_ops/reference.py (the spec).
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(glm5, m) {
+  // --- Similarity predictor (DSA lightning indexer) and top-k selection ---
+  // q[B,S,H,D], w[B,S,H], k[B,T,D] -> fp32 scores[B,S,T]
+  m.def("indexer_scores(Tensor q, Tensor w, Tensor k, bool causal, Tensor? q_start) -> Tensor");
+  // scores[..., T] -> int32[..., k]; -1 pads rows with fewer than k selectable entries
+  m.def("topk_indices(Tensor scores, int k, bool sorted) -> Tensor");
+  // fused indexer + running top-k -> int32[B,S,topk]
+  m.def("indexer_topk(Tensor q, Tensor w, Tensor k, int topk, bool causal, Tensor? q_start) -> Tensor");
+  // block-level predictor -> (kv_num_blocks int32[B,H,Qb], kv_indices int32[B,H,Qb,maxKV])
+  m.def("block_topk_mask(Tensor q, Tensor k, int block_size, int topk_blocks, bool causal, "
+        "int sink_blocks, int local_blocks, str pooling) -> (Tensor, Tensor)");
+
+  // --- Sparse attention ---
+  // -> (out[B,S,Hq,Dv], lse fp32[B,S,Hq])
+  m.def("sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor indices, float scale, "
+        "bool causal, Tensor? q_start) -> (Tensor, Tensor)");
+  // -> (dq, dk, dv)
+  m.def("sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor indices, "
+        "Tensor out, Tensor lse, float scale, bool causal, Tensor? q_start) -> (Tensor, Tensor, Tensor)");
+  m.def("block_sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, "
+        "Tensor kv_indices, int block_size, float scale, bool causal) -> (Tensor, Tensor)");
+  m.def("block_sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, "
+        "Tensor kv_indices, Tensor out, Tensor lse, int block_size, float scale, bool causal) "
+        "-> (Tensor, Tensor, Tensor)");
+
+  // --- Mixture of Experts (HF layout: w_gate_up[E,2I,D], w_down[E,D,I]) ---
+  // -> (weights fp32[T,k], ids int32[T,k])
+  m.def("moe_route(Tensor h, Tensor gate_w, Tensor bias, int top_k, int n_group, int topk_group, "
+        "float routed_scaling_factor, bool norm_topk_prob) -> (Tensor, Tensor)");
+  // -> (x_sorted[N,D], expert_offsets int32[E+1], slot_token int32[N], token_slot int32[T,k])
+  m.def("moe_dispatch(Tensor x, Tensor ids, int num_experts, int align) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_combine(Tensor y_sorted, Tensor token_slot, Tensor weights) -> Tensor");
+  m.def("fused_moe_fwd(Tensor x, Tensor w_gate_up, Tensor w_down, Tensor weights, Tensor ids) -> Tensor");
+  // -> (dx, dw_gate_up, dw_down, dweights)
+  m.def("fused_moe_bwd(Tensor dout, Tensor x, Tensor w_gate_up, Tensor w_down, Tensor weights, "
+        "Tensor ids) -> (Tensor, Tensor, Tensor, Tensor)");
+
+  // --- Activation compression ---
+  // -> (packed uint8, scale fp32[groups], zero fp32[groups])
+  m.def("quantize_groupwise(Tensor x, int bits, int group_size, bool stochastic, int seed) -> (Tensor, Tensor, Tensor)");
+  m.def("dequantize(Tensor packed, Tensor scale, Tensor zero, int bits, int group_size, SymInt[] shape, "
+        "ScalarType dtype) -> Tensor");
+}
+
+// The Python module glm5_ops._C: importing it runs the registrations above
+// (and those of the kernel files linked beside it). It carries build facts.
+#include <Python.h>
+
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C",
+                                   "glm5 kernel lab ops (registered under torch.ops.glm5)", -1, nullptr};
+  PyObject* mod = PyModule_Create(&def);
+  if (mod == nullptr) return nullptr;
+#ifdef GLM5_WITH_CUDA
+  PyModule_AddIntConstant(mod, "WITH_CUDA", 1);
+#else
+  PyModule_AddIntConstant(mod, "WITH_CUDA", 0);
+#endif
+  return mod;
+}

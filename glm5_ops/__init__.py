@@ -1,0 +1,15 @@
+"""glm5_ops: GLM-5's sparse-attention and MoE kernels behind one Python API.
+
+    import glm5_ops
+    idx = glm5_ops.indexer_topk(q, w, k, topk=2048)          # DSA selection
+    with glm5_ops.use_backend("triton"): ...                  # or "cpp", "reference"
+
+Layouts and semantics: each family's module docstring and glm5_ops/reference.py.
+"""
+from . import _fake  # noqa: F401  (shapes for torch.compile / opcheck)
+from . import reference
+from ._backend import BACKENDS, current_backend, use_backend
+from .indexer import indexer_scores, indexer_topk, topk_indices
+
+__all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
+           "indexer_scores", "topk_indices", "indexer_topk"]

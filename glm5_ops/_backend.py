@@ -1,0 +1,69 @@
+"""Backend selection: "cpp" (the C++ CPU or CUDA kernels of glm5_ops._C, by
+device), "triton" (glm5_ops/triton, GPU, or CPU tensors under
+TRITON_INTERPRET=1) and "reference" (glm5_ops/reference.py).
+
+The default for every device is "cpp", the fastest one measured (bench/RESULTS.md).
+A backend that lacks an op raises NotImplementedError naming both; nothing
+falls back silently to another backend.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+import torch
+
+BACKENDS = ("cpp", "triton", "reference")
+_DEFAULT = {"cpu": "cpp", "cuda": "cpp"}
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("glm5_backend", default=None)
+
+try:
+    from . import _C  # noqa: F401  (importing it registers torch.ops.glm5.*)
+    _C_ERROR: Exception | None = None
+except ImportError as e:  # pragma: no cover - exercised only on a broken install
+    _C = None
+    _C_ERROR = e
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the ops in this block on backend `name` ("cpp", "triton", "reference")."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    token = _override.set(name)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def current_backend(device: torch.device) -> str:
+    return _override.get() or _DEFAULT.get(device.type, "reference")
+
+
+def cpp_ops():
+    """torch.ops.glm5, or a clear error when the extension is not built."""
+    if _C is None:
+        raise ImportError("glm5_ops._C is not built or failed to load "
+                          f"({_C_ERROR}); build it with: pip install --no-build-isolation -e .")
+    return torch.ops.glm5
+
+
+def triton_ready(device: torch.device) -> None:
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the triton backend runs CPU tensors only under TRITON_INTERPRET=1 "
+                           "(set it before importing glm5_ops); use a CUDA tensor or another backend")
+
+
+def dispatch(op: str, device: torch.device, impls: dict, *args, **kwargs):
+    """Calls impls[backend](*args, **kwargs) for the current backend of `device`."""
+    backend = current_backend(device)
+    impl = impls.get(backend)
+    if impl is None:
+        raise NotImplementedError(f"glm5_ops.{op} has no {backend!r} backend yet")
+    try:
+        return impl(*args, **kwargs)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"glm5_ops.{op}: the {backend!r} backend has no kernel for "
+                                  f"{device.type} tensors ({e})") from e

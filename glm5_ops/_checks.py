@@ -1,0 +1,53 @@
+"""Argument checks for the Python API: every failure names the argument and
+the expected shape, before any kernel runs."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def tensor(t, name: str, shape: str, rank: int | None = None, dtypes=FLOAT_DTYPES) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape {shape}, got {type(t).__name__}")
+    if rank is not None and t.dim() != rank:
+        raise ValueError(f"{name} must have shape {shape} (rank {rank}), got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    return t
+
+
+def dim(t: torch.Tensor, name: str, shape: str, axis: int, expected: int, what: str) -> None:
+    if t.shape[axis] != expected:
+        raise ValueError(f"{name} must have shape {shape} with {what}={expected}, got shape {tuple(t.shape)}")
+
+
+def same_device(**tensors) -> torch.device:
+    devices = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(devices.values())) > 1:
+        listed = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {listed}")
+    return next(iter(devices.values()))
+
+
+def int_in_range(value, name: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def q_start(value, B: int, device: torch.device) -> torch.Tensor | None:
+    """None, an int, or an integer tensor [B] -> None or int64 tensor [B] on `device`."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.full((B,), value, dtype=torch.int64, device=device)
+    tensor(value, "q_start", f"[B={B}]", rank=1, dtypes=INDEX_DTYPES)
+    dim(value, "q_start", f"[B={B}]", 0, B, "B")
+    if value.device != device:
+        raise ValueError(f"q_start must be on {device} like q, got {value.device}")
+    return value.to(torch.int64).contiguous()

@@ -1,0 +1,83 @@
+"""Builds glm5_ops._C: the C++ CPU kernels always, the CUDA kernels whenever
+torch is a CUDA build and nvcc is found (no GPU needed to compile).
+
+Environment:
+  GLM5_BUILD_CUDA=0|1   force the CUDA sources off / on (default: auto)
+  TORCH_CUDA_ARCH_LIST  CUDA targets (default "9.0a": H100/H200)
+  MAX_JOBS              parallel compile jobs (honoured by ninja)
+  GLM5_CPU_ARCH         -march for the CPU sources (default x86-64-v3 on x86)
+
+Build with the torch that will run it:  pip install --no-build-isolation -e .
+"""
+import glob
+import os
+import platform
+import shutil
+
+# torch decides CUDA_HOME when cpp_extension is imported, so point it at the
+# toolkit first (a CPU machine has no CUDA runtime for torch to find it by).
+if not os.environ.get("CUDA_HOME"):
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc:
+        os.environ["CUDA_HOME"] = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+
+import torch  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils import cpp_extension as cx  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    flag = os.environ.get("GLM5_BUILD_CUDA", "").strip()
+    if flag in ("0", "1"):
+        if flag == "1" and (torch.version.cuda is None or cx.CUDA_HOME is None):
+            raise RuntimeError("GLM5_BUILD_CUDA=1 but torch is not a CUDA build or nvcc was not found "
+                               f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={cx.CUDA_HOME})")
+        return flag == "1"
+    return torch.version.cuda is not None and cx.CUDA_HOME is not None
+
+
+def cuda_include_dirs():
+    # pip's CUDA wheels ship headers (cusparse.h, cublas_v2.h, ...) that torch's
+    # headers include; a bare toolkit may lack some of them.
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    return sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+
+
+def cpu_arch_flags():
+    arch = os.environ.get("GLM5_CPU_ARCH")
+    if arch is None:
+        arch = "x86-64-v3" if platform.machine() in ("x86_64", "AMD64") else ""
+    # at::vec picks its AVX2 specialisations from CPU_CAPABILITY_AVX2.
+    avx2 = ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"] if arch in ("x86-64-v3", "x86-64-v4", "native") else []
+    return ([f"-march={arch}"] if arch else []) + avx2
+
+
+def extension():
+    sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-fopenmp", "-DGLM5_WITH_OPENMP"] + cpu_arch_flags()
+    kwargs = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"])
+    if want_cuda():
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        print(f"[glm5] building CPU + CUDA kernels (CUDA_HOME={cx.CUDA_HOME}, "
+              f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']})", flush=True)
+        cxx = cxx + ["-DGLM5_WITH_CUDA"]
+        nvcc = ["-O3", "-DGLM5_WITH_CUDA", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+        return cx.CUDAExtension("glm5_ops._C", sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+                                include_dirs=kwargs["include_dirs"] + cuda_include_dirs(),
+                                extra_link_args=kwargs["extra_link_args"], py_limited_api=False)
+    print("[glm5] building CPU kernels only (no CUDA build of torch or no nvcc)", flush=True)
+    return cx.CppExtension("glm5_ops._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
+
+
+setup(
+    name="glm5-kernel-lab",
+    version="0.1.0",
+    description="GLM-5's sparse attention and wide MoE as kernels: CPU C++, CUDA, Triton",
+    packages=find_packages(include=["glm5_ops", "glm5_ops.*", "models", "models.*", "profiling", "profiling.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": cx.BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+)
