@@ -37,7 +37,7 @@ struct IndexerProblem {
     return std::clamp<int64_t>(q_start[b] + s1, 0, T);
   }
   int64_t last_visible(int64_t b, int64_t s) const {
-    return causal ? q_start[b] + s : std::numeric_limits<int64_t>::max();
+    return causal ? q_start[b] + s : T;  // T: nothing masked (and no overflow)
   }
 };
 

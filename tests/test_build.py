@@ -1,0 +1,28 @@
+"""The build: CPU kernels always; CUDA kernels compiled in whenever torch is a
+CUDA build and nvcc exists, even on a machine without a GPU."""
+import os
+import shutil
+
+import pytest
+import torch
+
+import glm5_ops
+
+OPS = ["indexer_scores", "topk_indices", "indexer_topk"]
+
+
+def _nvcc_present():
+    return shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_kernels_registered(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"glm5::{op}", "CPU")
+
+
+@pytest.mark.skipif(torch.version.cuda is None or not _nvcc_present() or os.environ.get("GLM5_BUILD_CUDA") == "0",
+                    reason="CPU-only torch or no nvcc: the CUDA sources are not compiled")
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_kernels_compiled_in(op):
+    assert glm5_ops._backend._C.WITH_CUDA == 1, "torch is a CUDA build and nvcc exists, but _C has no CUDA kernels"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"glm5::{op}", "CUDA")
