@@ -507,15 +507,16 @@ def to_flex_block_mask(kv_num_blocks, kv_indices, block_size, S, T, *, causal=Tr
     Bm, Hm = kv_num_blocks.shape[0], kv_num_blocks.shape[1]
     Kb = -(-T // block_size)
     blocks = _ordered_to_blocks(kv_num_blocks, kv_indices, Kb)          # [Bm,Hm,Qb,Kb]
-    start = query_positions(Bm if q_start is None or isinstance(q_start, int) else len(q_start),
-                            1, T, T - S if q_start is None else q_start, kv_num_blocks.device)[:, 0]
+    n_start = q_start.numel() if isinstance(q_start, torch.Tensor) else 1
+    start = query_positions(n_start, 1, T, T - S if q_start is None else q_start,
+                            kv_num_blocks.device)[:, 0]                 # [n_start]
 
     def mask_mod(b, h, q_idx, kv_idx):
         bb = b if Bm > 1 else 0
         hh = h if Hm > 1 else 0
         ok = blocks[bb, hh, q_idx // block_size, kv_idx // block_size]
         if causal:
-            ok = ok & (kv_idx <= start[b if start.shape[0] > 1 else 0] + q_idx)
+            ok = ok & (kv_idx <= start[b if n_start > 1 else 0] + q_idx)
         return ok
 
     return BlockMask.from_kv_blocks(kv_num_blocks.to(torch.int32), kv_indices.to(torch.int32),
