@@ -12,7 +12,11 @@ Conventions shared by every op:
 """
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 NEG_INF = float("-inf")
 
@@ -78,3 +82,879 @@ def indexer_topk(q, w, k, topk, *, causal=True, q_start=None):
     Kernels compute this fused (streaming key chunks, running top-k), never
     holding [B,S,T]; their slots may come in any order, -1 padding last."""
     return topk_indices(indexer_scores(q, w, k, causal=causal, q_start=q_start), topk)
+
+
+# --------------------------------------------------------------------------
+# Shared helpers for the attention oracles
+# --------------------------------------------------------------------------
+
+# Elements per intermediate tensor the attention oracles allow themselves when
+# they loop over query chunks (2^24 fp32 = 64 MiB).
+_CHUNK_ELEMS = 1 << 24
+
+
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def _acc_dtype(*tensors) -> torch.dtype:
+    """The dtype the oracles compute in: fp32, or float64 when an input is float64
+    (so that torch.autograd.gradcheck can run through them)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_attention_inputs(q, k, v):
+    """Shapes of q[B,S,Hq,Dk], k[B,T,Hkv,Dk], v[B,T,Hkv,Dv]; returns (B,S,Hq,Dk,T,Hkv,Dv)."""
+    if q.dim() != 4:
+        _fail(f"q must be [B,S,Hq,Dk], got shape {tuple(q.shape)}")
+    if k.dim() != 4:
+        _fail(f"k must be [B,T,Hkv,Dk], got shape {tuple(k.shape)}")
+    if v.dim() != 4:
+        _fail(f"v must be [B,T,Hkv,Dv], got shape {tuple(v.shape)}")
+    B, S, Hq, Dk = q.shape
+    _, T, Hkv, _ = k.shape
+    if k.shape[0] != B or k.shape[3] != Dk:
+        _fail(f"k must be [B={B},T,Hkv,Dk={Dk}], got shape {tuple(k.shape)}")
+    if tuple(v.shape[:3]) != (B, T, Hkv):
+        _fail(f"v must be [B={B},T={T},Hkv={Hkv},Dv], got shape {tuple(v.shape)}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        _fail(f"the kv heads of k (Hkv={Hkv}) must divide the query heads of q (Hq={Hq})")
+    return B, S, Hq, Dk, T, Hkv, v.shape[3]
+
+
+def _chunk_rows(S: int, per_row: int) -> int:
+    """Query rows per chunk so that one chunk holds about _CHUNK_ELEMS elements."""
+    return max(1, min(max(S, 1), _CHUNK_ELEMS // max(per_row, 1)))
+
+
+def _masked_softmax_lse(scores, valid):
+    """Softmax over the last dim restricted to `valid`, and its natural-log logsumexp.
+
+    Returns (p, lse) with p shaped like scores and lse = scores.shape[:-1]. A row
+    with no valid entry gets p = 0 and lse = -inf. Written so that neither the
+    forward nor autograd's backward produces NaN on such rows (or on masked
+    entries), since the backward oracles are autograd through this."""
+    if scores.shape[-1] == 0:
+        return scores, scores.new_full(scores.shape[:-1], NEG_INF)
+    s = scores.masked_fill(~valid, NEG_INF)
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)                       # exactly 0 at masked entries
+    z = e.sum(-1, keepdim=True)
+    nonempty = z > 0
+    z_safe = torch.where(nonempty, z, torch.ones_like(z))
+    p = e / z_safe
+    lse = torch.where(nonempty, m + torch.log(z_safe), torch.full_like(z, NEG_INF))
+    return p, lse.squeeze(-1)
+
+
+def _mask_rows_to_gqa(mask, B, sc, Hq, Hkv, T):
+    """bool [Bm, Hm, sc, T] (Bm in {1,B}, Hm in {1,Hq}) -> broadcastable to the
+    grouped score layout [B, sc, Hkv, G, T] used by the dense oracles."""
+    Bm, Hm = mask.shape[0], mask.shape[1]
+    m = mask.permute(0, 2, 1, 3)               # [Bm, sc, Hm, T]
+    if Hm == 1:
+        return m.reshape(Bm, sc, 1, 1, T)
+    return m.reshape(Bm, sc, Hkv, Hq // Hkv, T)
+
+
+def _dense_masked_attention(q, k, v, scale, allowed_rows):
+    """Dense attention restricted by a mask produced chunk by chunk.
+
+    allowed_rows(s0, s1) -> bool [Bm, Hm, s1-s0, T] (Bm in {1,B}, Hm in {1,Hq}):
+    True where query s (of rows s0..s1-1) may attend to key t. Returns
+    (out [B,S,Hq,Dv] in q.dtype, lse [B,S,Hq] in the compute dtype).
+    Holds one [B, chunk, Hq, T] score block at a time."""
+    B, S, Hq, Dk, T, Hkv, Dv = _check_attention_inputs(q, k, v)
+    G = Hq // Hkv
+    acc = _acc_dtype(q, k, v)
+    qf = q.to(acc).reshape(B, S, Hkv, G, Dk)
+    kf, vf = k.to(acc), v.to(acc)
+    outs, lses = [], []
+    step = _chunk_rows(S, B * Hq * T)
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        scores = torch.einsum("bshgd,bthd->bshgt", qf[:, s0:s1], kf) * scale
+        valid = _mask_rows_to_gqa(allowed_rows(s0, s1), B, s1 - s0, Hq, Hkv, T)
+        p, lse = _masked_softmax_lse(scores, valid.expand_as(scores))
+        o = torch.einsum("bshgt,bthd->bshgd", p, vf)
+        outs.append(o.reshape(B, s1 - s0, Hq, Dv))
+        lses.append(lse.reshape(B, s1 - s0, Hq))
+    if not outs:
+        return q.new_zeros(B, 0, Hq, Dv), torch.zeros(B, 0, Hq, dtype=acc, device=q.device)
+    return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 1)
+
+
+# --------------------------------------------------------------------------
+# Sparse attention: token-level (DSA)
+# --------------------------------------------------------------------------
+
+def dense_attention(q, k, v, *, scale, causal=True, q_start=None):
+    """Dense softmax attention, the baseline the sparse oracles are measured against.
+
+    q [B,S,Hq,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv]; query head h uses kv head
+    h // (Hq // Hkv). causal: key t visible to query s iff t <= q_start[b] + s
+    (q_start defaults to T - S). Returns (out [B,S,Hq,Dv] in q.dtype,
+    lse [B,S,Hq] fp32 (float64 for float64 inputs), natural log); a query with
+    no visible key gets zeros and lse = -inf. Loops over query chunks; never
+    holds more than one [B, chunk, Hq, T] score block."""
+    B, S, _, _, T, _, _ = _check_attention_inputs(q, k, v)
+    if causal:
+        pos = query_positions(B, S, T, q_start, q.device)
+        t = torch.arange(T, device=q.device)
+
+        def rows(s0, s1):
+            return (t[None, None, :] <= pos[:, s0:s1, None])[:, None]
+    else:
+        def rows(s0, s1):
+            return torch.ones(1, 1, s1 - s0, T, dtype=torch.bool, device=q.device)
+    return _dense_masked_attention(q, k, v, scale, rows)
+
+
+def _check_indices(indices, B, S, T, name="indices"):
+    if indices.dim() != 3 or tuple(indices.shape[:2]) != (B, S):
+        _fail(f"{name} must be [B={B},S={S},topk], got shape {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int32, torch.int64):
+        _fail(f"{name} must be int32 (or int64), got {indices.dtype}")
+    if indices.numel() and (int(indices.min()) < -1 or int(indices.max()) >= T):
+        _fail(f"{name} entries must be -1 or key positions in [0, T={T}), got values in "
+              f"[{int(indices.min())}, {int(indices.max())}]")
+
+
+def sparse_attention(q, k, v, indices, *, scale, causal=False, q_start=None):
+    """Token-level sparse attention (DSA): each query attends only to its selected keys.
+
+    Layouts:
+      q       [B,S,Hq,Dk]   any float dtype
+      k       [B,T,Hkv,Dk]  Hkv divides Hq; query head h uses kv head h // (Hq // Hkv)
+                            (Hkv = 1 is MLA's absorbed / MQA form)
+      v       [B,T,Hkv,Dv]  may be a view of k (MLA: v = k[..., :Dv])
+      indices int32 [B,S,topk]: the key positions query (b, s) attends to, shared
+                            by all its heads, in any order; -1 marks an empty slot.
+    Returns (out [B,S,Hq,Dv] in q.dtype, lse [B,S,Hq] fp32), computed in fp32
+    (float64 when an input is float64, then lse is float64 too).
+
+    Semantics: slot j of query (b, s) contributes key t = indices[b,s,j] unless
+    t == -1, or causal=True and t > q_start[b] + s (q_start defaults to T - S).
+      lse[b,s,h] = log sum_{contributing j} exp(scale * q[b,s,h]·k[b,t_j,h//G])
+      out[b,s,h] = sum_j exp(scale * q·k[t_j] - lse) * v[b,t_j,h//G]
+    A query left with no contributing slot outputs zeros and lse = -inf.
+    Duplicates: indices are expected duplicate-free (the indexer's top-k is).
+    The oracle treats every slot independently, so a key listed twice counts
+    twice; kernels need not reproduce that and the tests never rely on it.
+
+    Differentiable (the backward oracle is autograd through this; no NaN on
+    empty rows). Memory: gathers the selected keys ([B, chunk, topk, Hkv, D])
+    a query chunk at a time; never builds anything of size T per query."""
+    B, S, Hq, Dk, T, Hkv, Dv = _check_attention_inputs(q, k, v)
+    _check_indices(indices, B, S, T)
+    G = Hq // Hkv
+    topk = indices.shape[2]
+    acc = _acc_dtype(q, k, v)
+    qf = q.to(acc).reshape(B, S, Hkv, G, Dk)
+    kf, vf = k.to(acc), v.to(acc)
+    idx = indices.long()
+    valid = idx >= 0
+    if causal:
+        valid &= idx <= query_positions(B, S, T, q_start, q.device)[:, :, None]
+    safe = idx.clamp(min=0)
+    b = torch.arange(B, device=q.device)[:, None, None]
+    outs, lses = [], []
+    step = _chunk_rows(S, B * topk * (Hkv * (Dk + Dv) + 2 * Hq))
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        kg = kf[b, safe[:, s0:s1]]             # [B, sc, topk, Hkv, Dk]
+        vg = vf[b, safe[:, s0:s1]]             # [B, sc, topk, Hkv, Dv]
+        scores = torch.einsum("bshgd,bsthd->bshgt", qf[:, s0:s1], kg) * scale
+        ok = valid[:, s0:s1, None, None, :].expand_as(scores)
+        p, lse = _masked_softmax_lse(scores, ok)
+        o = torch.einsum("bshgt,bsthd->bshgd", p, vg)
+        outs.append(o.reshape(B, s1 - s0, Hq, Dv))
+        lses.append(lse.reshape(B, s1 - s0, Hq))
+    if not outs:
+        return q.new_zeros(B, 0, Hq, Dv), torch.zeros(B, 0, Hq, dtype=acc, device=q.device)
+    return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 1)
+
+
+# --------------------------------------------------------------------------
+# Block-sparse attention (FlexAttention BlockMask format)
+# --------------------------------------------------------------------------
+#
+# A block mask is (kv_num_blocks int32 [B,H,Qb], kv_indices int32 [B,H,Qb,maxKV],
+# block_size), FlexAttention's layout: query block i covers queries
+# s in [i*block_size, min((i+1)*block_size, S)), key block j covers keys
+# t in [j*block_size, min((j+1)*block_size, T)); Qb = ceil(S/block_size),
+# Kb = ceil(T/block_size). Row (b, h, i) selects the key blocks
+# kv_indices[b,h,i,:kv_num_blocks[b,h,i]]; only those entries count, whatever
+# the rest of the row holds. The masks produced here list them ascending and
+# pad the rest with 0 (a valid block index, so kernels that read a whole row
+# never go out of bounds). B and H may be 1 to broadcast; H counts query heads.
+# To hand a mask of width maxKV < Kb to FlexAttention, pass seq_lengths:
+# BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block_size,
+# mask_mod=..., seq_lengths=(S, T)) (see to_flex_block_mask).
+
+
+def _block_means(x, bs):
+    """x [B,N,H,D] -> mean over each block of bs rows [B,ceil(N/bs),H,D] (last block partial)."""
+    B, N, H, D = x.shape
+    nb = -(-N // bs)
+    pad = nb * bs - N
+    xs = F.pad(x, (0, 0, 0, 0, 0, pad)).reshape(B, nb, bs, H, D).sum(2)
+    counts = torch.clamp(N - torch.arange(nb, device=x.device) * bs, max=bs).to(x.dtype)
+    return xs / counts[None, :, None, None]
+
+
+def _block_extreme(x, bs, largest):
+    """Per-block, per-channel max (largest=True) or min of x [B,N,H,D] -> [B,nb,H,D]."""
+    B, N, H, D = x.shape
+    nb = -(-N // bs)
+    pad = nb * bs - N
+    fill = NEG_INF if largest else float("inf")
+    xs = F.pad(x, (0, 0, 0, 0, 0, pad), value=fill).reshape(B, nb, bs, H, D)
+    return xs.amax(2) if largest else xs.amin(2)
+
+
+def _blocks_to_ordered(blocks, width=None):
+    """bool [..., Qb, Kb] -> (num int32 [..., Qb], indices int32 [..., Qb, width]):
+    the selected block indices ascending, padded with 0."""
+    Kb = blocks.shape[-1]
+    width = Kb if width is None else width
+    col = torch.arange(Kb, device=blocks.device).expand(blocks.shape)
+    keyed = torch.where(blocks, col, torch.full_like(col, Kb))
+    ordered = keyed.sort(-1).values[..., :width]
+    num = blocks.sum(-1).to(torch.int32)
+    if width > Kb:
+        ordered = F.pad(ordered, (0, width - Kb), value=Kb)
+    ordered = torch.where(ordered == Kb, torch.zeros_like(ordered), ordered)
+    return num, ordered.to(torch.int32)
+
+
+def _ordered_to_blocks(kv_num_blocks, kv_indices, n_cols, name="kv_indices"):
+    """(num [...,Qb], indices [...,Qb,W]) -> bool [..., Qb, n_cols]; only the first
+    num entries of each row count; they must be block indices in [0, n_cols)."""
+    W = kv_indices.shape[-1]
+    used = torch.arange(W, device=kv_indices.device) < kv_num_blocks[..., None].long()
+    idx = kv_indices.long()
+    if bool((used & ((idx < 0) | (idx >= n_cols))).any()):
+        _fail(f"{name}: the first kv_num_blocks entries of each row must be key block "
+              f"indices in [0, {n_cols})")
+    target = torch.where(used, idx, torch.full_like(idx, n_cols))
+    blocks = torch.zeros(*idx.shape[:-1], n_cols + 1, dtype=torch.bool, device=idx.device)
+    blocks.scatter_(-1, target, True)
+    return blocks[..., :n_cols]
+
+
+def block_topk_mask(q, k, *, block_size, topk_blocks, causal=True, sink_blocks=1,
+                    local_blocks=1, pooling="mean", q_start=None):
+    """Block-level predictor: which key blocks each (query block, query head) attends to.
+
+    q [B,S,H,D], k [B,T,Hkv,D] (Hkv divides H; query head h is scored against
+    kv head h // (H // Hkv)). Returns (kv_num_blocks int32 [B,H,Qb],
+    kv_indices int32 [B,H,Qb,maxKV]) in FlexAttention's format (see the
+    section comment above): Qb = ceil(S/block_size), Kb = ceil(T/block_size),
+    maxKV = min(Kb, sink_blocks + local_blocks + topk_blocks); the selected
+    blocks ascending, then 0 padding; only the first kv_num_blocks entries count.
+
+    Definitions, for query block i of batch b (computed in fp32):
+      last_i  = q_start[b] + min((i+1)*block_size, S) - 1, the absolute position
+                of the block's last query (q_start defaults to T - S)
+      diag_i  = min(floor(last_i / block_size), Kb - 1), the key block holding it
+      allowed = key blocks j <= diag_i when causal (key block start j*block_size
+                <= last_i), every block otherwise
+      qbar    = mean of q over the queries of block i, per head   [D]
+      kbar    = mean of k over the keys of block j, per kv head   [D] (last block partial)
+      score   = qbar · kbar                                       pooling="mean" (MoBA)
+              = sum_d max(qbar_d * kmin_d, qbar_d * kmax_d)       pooling="minmax" (Quest;
+                kmin/kmax the per-channel min/max of k over block j: an upper bound
+                on qbar·k_t for every key t of the block)
+    Selection: the mandatory blocks, sink (j < sink_blocks) and local
+    (diag_i - local_blocks < j <= diag_i), each kept only if allowed; then the
+    topk_blocks highest-scoring allowed blocks among the rest (fewer if fewer
+    remain; among equal scores the lower block index wins, kernels may break
+    ties either way). kv_num_blocks = #mandatory + min(topk_blocks, #remaining).
+    The mask is block-level only: token-level causality inside the diagonal
+    blocks is applied by the attention (block_sparse_attention(causal=True)).
+    Scale does not matter for ranking, so none is taken."""
+    if q.dim() != 4 or k.dim() != 4:
+        _fail(f"q must be [B,S,H,D] and k [B,T,Hkv,D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, S, H, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        _fail(f"k must be [B={B},T,Hkv,D={D}], got shape {tuple(k.shape)}")
+    T, Hkv = k.shape[1], k.shape[2]
+    if Hkv == 0 or H % Hkv != 0:
+        _fail(f"the kv heads of k (Hkv={Hkv}) must divide the query heads of q (H={H})")
+    if block_size <= 0:
+        _fail(f"block_size must be positive, got {block_size}")
+    for name, val in (("topk_blocks", topk_blocks), ("sink_blocks", sink_blocks),
+                      ("local_blocks", local_blocks)):
+        if val < 0:
+            _fail(f"{name} must be >= 0, got {val}")
+    if pooling not in ("mean", "minmax"):
+        _fail(f"pooling must be 'mean' or 'minmax', got {pooling!r}")
+    bs = block_size
+    Qb, Kb = -(-S // bs), -(-T // bs)
+    G = H // Hkv
+    dev = q.device
+
+    qbar = _block_means(q.float(), bs)                                   # [B,Qb,H,D]
+    kf = k.float()
+    if pooling == "mean":
+        kbar = _block_means(kf, bs).repeat_interleave(G, dim=2)          # [B,Kb,H,D]
+        score = torch.einsum("bihd,bjhd->bhij", qbar, kbar)
+    else:
+        kmax = _block_extreme(kf, bs, True).repeat_interleave(G, dim=2)
+        kmin = _block_extreme(kf, bs, False).repeat_interleave(G, dim=2)
+        # max(a*m, a*M) with m <= M is a*M for a >= 0 and a*m for a < 0
+        score = (torch.einsum("bihd,bjhd->bhij", qbar.clamp(min=0), kmax)
+                 + torch.einsum("bihd,bjhd->bhij", qbar.clamp(max=0), kmin))
+
+    pos = query_positions(B, S, T, q_start, dev)                         # [B,S]
+    last_row = torch.clamp((torch.arange(Qb, device=dev) + 1) * bs, max=S) - 1
+    last = pos[:, last_row]                                              # [B,Qb]
+    diag = torch.div(last, bs, rounding_mode="floor").clamp(max=Kb - 1)
+    j = torch.arange(Kb, device=dev)[None, None, :]
+    d = diag[:, :, None]
+    allowed = (j <= d) if causal else torch.ones(B, Qb, Kb, dtype=torch.bool, device=dev)
+    mandatory = ((j < sink_blocks) | ((j <= d) & (j > d - local_blocks))) & allowed
+    cand = (allowed & ~mandatory)[:, None].expand(B, H, Qb, Kb)          # [B,H,Qb,Kb]
+
+    keyed = score.masked_fill(~cand, NEG_INF)
+    order = torch.sort(keyed, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(Kb, device=dev).expand_as(order))
+    take = cand.sum(-1, keepdim=True).clamp(max=topk_blocks)
+    chosen = cand & (rank < take)
+    blocks = mandatory[:, None] | chosen
+    return _blocks_to_ordered(blocks, width=min(Kb, sink_blocks + local_blocks + topk_blocks))
+
+
+def block_mask_to_dense(kv_num_blocks, kv_indices, block_size, S, T):
+    """bool [B,H,S,T]: True where query s may attend key t under the block mask,
+    i.e. block t // block_size is among the first kv_num_blocks[b,h,s // block_size]
+    entries of kv_indices[b,h,s // block_size]. Block structure only: no causal
+    mask. B and H are the mask's own (1 stays 1, for broadcasting)."""
+    if kv_num_blocks.dim() != 3 or kv_indices.dim() != 4 or \
+            tuple(kv_indices.shape[:3]) != tuple(kv_num_blocks.shape):
+        _fail("kv_num_blocks must be [B,H,Qb] and kv_indices [B,H,Qb,maxKV], got "
+              f"{tuple(kv_num_blocks.shape)} and {tuple(kv_indices.shape)}")
+    if block_size <= 0:
+        _fail(f"block_size must be positive, got {block_size}")
+    Qb, Kb = -(-S // block_size), -(-T // block_size)
+    if kv_num_blocks.shape[2] != Qb:
+        _fail(f"kv_num_blocks has {kv_num_blocks.shape[2]} query blocks, but S={S} with "
+              f"block_size={block_size} needs Qb={Qb}")
+    blocks = _ordered_to_blocks(kv_num_blocks, kv_indices, Kb)         # [B,H,Qb,Kb]
+    dense = blocks.repeat_interleave(block_size, dim=2)[:, :, :S]
+    return dense.repeat_interleave(block_size, dim=3)[..., :T]
+
+
+def block_sparse_attention(q, k, v, kv_num_blocks, kv_indices, *, block_size, scale,
+                           causal=True, q_start=None):
+    """Attention restricted to the key blocks of a block mask.
+
+    q [B,S,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,Dv] as for sparse_attention; the
+    mask (kv_num_blocks [B|1, Hq|1, Qb], kv_indices [B|1, Hq|1, Qb, maxKV],
+    block_size) in the format described above (mask heads are query heads).
+    Query s attends key t iff block_mask_to_dense(...)[b,h,s,t] and, when causal,
+    t <= q_start[b] + s (q_start defaults to T - S; token-level inside the
+    selected blocks). Returns (out [B,S,Hq,Dv] in q.dtype, lse fp32 [B,S,Hq]),
+    natural-log lse; a query left with no key outputs zeros and lse = -inf.
+    Differentiable. The oracle materialises the dense [B,H,S,T] mask."""
+    B, S, Hq, _, T, _, _ = _check_attention_inputs(q, k, v)
+    dense = block_mask_to_dense(kv_num_blocks, kv_indices, block_size, S, T)
+    if dense.shape[0] not in (1, B) or dense.shape[1] not in (1, Hq):
+        _fail(f"block mask is for B={dense.shape[0]}, H={dense.shape[1]}; expected B in "
+              f"(1, {B}) and H in (1, {Hq}) (the query heads)")
+    if causal:
+        dense = dense & ~causal_mask(B, S, T, q_start, q.device)[:, None]
+    return _dense_masked_attention(q, k, v, scale, lambda s0, s1: dense[:, :, s0:s1])
+
+
+def from_flex_block_mask(block_mask):
+    """torch FlexAttention BlockMask -> (kv_num_blocks int32 [B,H,Qb],
+    kv_indices int32 [B,H,Qb,Kb], block_size).
+
+    Merges the mask's partial blocks (kv_num_blocks / kv_indices) and full blocks
+    (full_kv_num_blocks / full_kv_indices) into one ascending list per row,
+    padded with 0; Qb and Kb follow the mask's seq_lengths. Only the block
+    structure carries over: the mask_mod is dropped, and block_sparse_attention
+    applies its own causal (token) mask inside the blocks. So the two agree
+    exactly when the BlockMask's mask_mod is "block-level selection and causal"
+    (key t visible to query s iff t <= q_start + s, e.g. FlexAttention's usual
+    q_idx >= kv_idx with S == T). Requires equal query and key block sizes."""
+    bq, bk = block_mask.BLOCK_SIZE
+    if bq != bk:
+        _fail(f"block_mask has Q_BLOCK_SIZE={bq} != KV_BLOCK_SIZE={bk}; this format needs one block_size")
+    S, T = block_mask.seq_lengths
+    Qb, Kb = -(-S // bq), -(-T // bq)
+    n_cols = max(Kb, block_mask.kv_indices.shape[-1])
+    blocks = _ordered_to_blocks(block_mask.kv_num_blocks, block_mask.kv_indices, n_cols)
+    if block_mask.full_kv_num_blocks is not None:
+        blocks = blocks | _ordered_to_blocks(block_mask.full_kv_num_blocks,
+                                             block_mask.full_kv_indices, n_cols)
+    num, idx = _blocks_to_ordered(blocks[..., :Qb, :Kb])
+    return num, idx, bq
+
+
+def to_flex_block_mask(kv_num_blocks, kv_indices, block_size, S, T, *, causal=True, q_start=None):
+    """Wrap our block mask in a torch FlexAttention BlockMask (for comparing with
+    flex_attention). Its mask_mod carries the whole rule, block selection and
+    (when causal) t <= q_start[b] + s (q_start defaulting to T - S): eager
+    flex_attention applies only the mask_mod and ignores the block lists, the
+    compiled kernel uses both, and this way the two agree. Every selected
+    block is listed as partial (the mask_mod runs on all of them)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    Bm, Hm = kv_num_blocks.shape[0], kv_num_blocks.shape[1]
+    Kb = -(-T // block_size)
+    blocks = _ordered_to_blocks(kv_num_blocks, kv_indices, Kb)          # [Bm,Hm,Qb,Kb]
+    n_start = q_start.numel() if isinstance(q_start, torch.Tensor) else 1
+    start = query_positions(n_start, 1, T, T - S if q_start is None else q_start,
+                            kv_num_blocks.device)[:, 0]                 # [n_start]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        bb = b if Bm > 1 else 0
+        hh = h if Hm > 1 else 0
+        ok = blocks[bb, hh, q_idx // block_size, kv_idx // block_size]
+        if causal:
+            ok = ok & (kv_idx <= start[b if n_start > 1 else 0] + q_idx)
+        return ok
+
+    return BlockMask.from_kv_blocks(kv_num_blocks.to(torch.int32), kv_indices.to(torch.int32),
+                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(S, T))
+
+
+class AttentionRecall(NamedTuple):
+    """What a selection keeps of dense attention (see attention_recall)."""
+    recall: torch.Tensor          # fp32 [B,S,Hq]: softmax mass covered, in [0, 1]
+    rel_err: torch.Tensor         # fp32 [B,S,Hq]: ||o_sel - o|| / ||o|| per query and head
+    mean_recall: float            # recall averaged over queries and heads
+    output_rel_err: float         # ||O_sel - O||_F / ||O||_F over the whole output
+
+
+def attention_recall(q, k, v, selection, *, scale, causal=True, q_start=None):
+    """How much of dense attention a selection keeps.
+
+    q [B,S,Hq,Dk], k [B,T,Hkv,Dk], v [B,T,Hkv,Dv]; selection is either
+      - token indices int32 [B,S,topk] (as for sparse_attention; -1 skipped,
+        duplicates count once here), or
+      - a block mask (kv_num_blocks, kv_indices, block_size) as for
+        block_sparse_attention.
+    With P the dense softmax (causal when causal=True, q_start as usual) and
+    A[b,s,h] the set of visible keys the selection keeps (selection ∩ causal):
+      recall[b,s,h]  = sum_{t in A} P[b,s,h,t]   (the softmax mass covered)
+      rel_err[b,s,h] = ||o_sel - o|| / ||o||, o = dense output, o_sel = attention
+                       over A only (what sparse attention computes), norms over Dv
+      output_rel_err = ||O_sel - O||_F / ||O||_F over all (b, s, h)
+    Equivalently recall = exp(lse_sel - lse_dense). A query with no visible key
+    counts as fully recalled (recall 1, rel_err 0); a selection that keeps none
+    of a query's visible keys has recall 0 and rel_err 1. Computed in fp32,
+    one query chunk at a time (holds [B, chunk, Hq, T])."""
+    B, S, Hq, Dk, T, Hkv, Dv = _check_attention_inputs(q, k, v)
+    G = Hq // Hkv
+    dev = q.device
+    if isinstance(selection, torch.Tensor):
+        _check_indices(selection, B, S, T, name="selection")
+        idx = selection.long()
+        sel_idx = torch.where(idx >= 0, idx, torch.full_like(idx, T))
+
+        def sel_rows(s0, s1):
+            m = torch.zeros(B, s1 - s0, T + 1, dtype=torch.bool, device=dev)
+            m.scatter_(-1, sel_idx[:, s0:s1], True)
+            return m[:, None, :, :T]
+    else:
+        kv_num_blocks, kv_indices, block_size = selection
+        sel_dense = block_mask_to_dense(kv_num_blocks, kv_indices, block_size, S, T)
+
+        def sel_rows(s0, s1):
+            return sel_dense[:, :, s0:s1]
+    pos = query_positions(B, S, T, q_start, dev)
+    t = torch.arange(T, device=dev)
+    acc = _acc_dtype(q, k, v)
+    qf = q.to(acc).reshape(B, S, Hkv, G, Dk)
+    kf, vf = k.to(acc), v.to(acc)
+    recalls, errs = [], []
+    num = torch.zeros((), dtype=acc, device=dev)
+    den = torch.zeros((), dtype=acc, device=dev)
+    step = _chunk_rows(S, B * Hq * T * 3)
+    for s0 in range(0, S, step):
+        s1 = min(S, s0 + step)
+        sc = s1 - s0
+        scores = torch.einsum("bshgd,bthd->bshgt", qf[:, s0:s1], kf) * scale
+        if causal:
+            vis = (t[None, None, :] <= pos[:, s0:s1, None]).reshape(B, sc, 1, 1, T)
+        else:
+            vis = torch.ones(1, 1, 1, 1, T, dtype=torch.bool, device=dev)
+        keep = vis & _mask_rows_to_gqa(sel_rows(s0, s1), B, sc, Hq, Hkv, T)
+        p, _ = _masked_softmax_lse(scores, vis.expand_as(scores))
+        p_sel, _ = _masked_softmax_lse(scores, keep.expand_as(scores))
+        o = torch.einsum("bshgt,bthd->bshgd", p, vf)
+        o_sel = torch.einsum("bshgt,bthd->bshgd", p_sel, vf)
+        empty = ~vis.expand_as(scores).any(-1)
+        rec = torch.where(empty, torch.ones_like(p[..., 0]), (p * keep).sum(-1))
+        diff = (o_sel - o).norm(dim=-1)
+        ref = o.norm(dim=-1)
+        err = torch.where(ref > 0, diff / torch.where(ref > 0, ref, torch.ones_like(ref)),
+                          torch.zeros_like(ref))
+        recalls.append(rec.reshape(B, sc, Hq))
+        errs.append(err.reshape(B, sc, Hq))
+        num = num + (diff ** 2).sum()
+        den = den + (ref ** 2).sum()
+    recall = torch.cat(recalls, 1).float() if recalls else torch.ones(B, 0, Hq, device=dev)
+    rel_err = torch.cat(errs, 1).float() if errs else torch.zeros(B, 0, Hq, device=dev)
+    out_err = float((num / den).sqrt()) if float(den) > 0 else 0.0
+    return AttentionRecall(recall, rel_err, float(recall.mean()) if recall.numel() else 1.0, out_err)
+
+
+# --------------------------------------------------------------------------
+# Mixture of Experts (HF layout: gate_w [E,D], w_gate_up [E,2I,D] with the
+# gate rows first and the up rows second, w_down [E,D,I])
+# --------------------------------------------------------------------------
+
+def moe_route(h, gate_w, bias, *, top_k, n_group, topk_group, routed_scaling_factor,
+              norm_topk_prob):
+    """GLM-5's router: transformers' GlmMoeDsaTopkRouter (= DeepSeek-V3 "noaux_tc").
+
+    h [T,D] (any float dtype; leading dims are flattened), gate_w [E,D],
+    bias [E] (e_score_correction_bias). Returns (weights fp32 [T,top_k],
+    ids int32 [T,top_k]). Step by step, all in fp32:
+      logits  = h @ gate_w^T;  scores = sigmoid(logits)                 [T,E]
+      choice  = scores + bias              (the bias only steers the choice)
+      group g = experts [g*E/n_group, (g+1)*E/n_group); its score is the sum
+                of the 2 largest `choice` values in it
+      keep the topk_group best groups; set `choice` = -inf in the others
+      ids     = the top_k experts by masked `choice`
+      weights = scores[ids] (un-biased); if norm_topk_prob:
+                weights /= (weights.sum(-1) + 1e-20); then weights *= routed_scaling_factor
+    Slot order: this oracle lists ids by decreasing `choice`; HF uses
+    topk(sorted=False), so compare (id, weight) pairs as sets. Ties (equal
+    `choice` or group scores) may be broken either way.
+    Requires E % n_group == 0, at least 2 experts per group (HF takes a top-2
+    per group) and top_k <= topk_group * E / n_group (otherwise HF would pick
+    among -inf entries arbitrarily)."""
+    hf = h.reshape(-1, h.shape[-1]).float()
+    E = gate_w.shape[0]
+    if gate_w.dim() != 2 or gate_w.shape[1] != hf.shape[1]:
+        _fail(f"gate_w must be [E,D={hf.shape[1]}], got shape {tuple(gate_w.shape)}")
+    if tuple(bias.shape) != (E,):
+        _fail(f"bias must be [E={E}], got shape {tuple(bias.shape)}")
+    if n_group <= 0 or E % n_group != 0 or E // n_group < 2:
+        _fail(f"n_group={n_group} must divide E={E} into groups of at least 2 experts")
+    if not 0 < topk_group <= n_group:
+        _fail(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    if not 0 < top_k <= topk_group * (E // n_group):
+        _fail(f"top_k must be in [1, topk_group * E / n_group = {topk_group * (E // n_group)}], got {top_k}")
+    logits = F.linear(hf, gate_w.float())
+    scores = logits.sigmoid()
+    choice = scores + bias.float()
+    group_scores = choice.view(-1, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)
+    group_idx = group_scores.topk(topk_group, dim=-1).indices
+    group_keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    expert_keep = group_keep.repeat_interleave(E // n_group, dim=1)
+    choice = choice.masked_fill(~expert_keep, NEG_INF)
+    ids = choice.topk(top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+class MoEPlan(NamedTuple):
+    """The permutation moe_dispatch builds (the schema's last three outputs).
+
+    expert_offsets int32 [E+1]: expert e owns sorted rows
+                   [expert_offsets[e], expert_offsets[e+1]); each segment holds
+                   count_e real rows then zero padding up to a multiple of align;
+                   expert_offsets[E] = N, the number of sorted rows.
+    slot_token     int32 [N]: the source token of each sorted row, -1 for padding.
+    token_slot     int32 [T,k]: the sorted row holding (token t, slot j)."""
+    expert_offsets: torch.Tensor
+    slot_token: torch.Tensor
+    token_slot: torch.Tensor
+
+
+def _check_ids(ids, num_experts, T=None, name="ids"):
+    if ids.dim() != 2 or (T is not None and ids.shape[0] != T):
+        _fail(f"{name} must be [T{'=' + str(T) if T is not None else ''},k], got shape {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        _fail(f"{name} must be int32 (or int64), got {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
+        _fail(f"{name} must be expert ids in [0, {num_experts}), got values in "
+              f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+def moe_dispatch(x, ids, num_experts, *, align=1):
+    """Group the (token, slot) pairs by expert: x [T,D], ids int32 [T,k] in [0,E).
+
+    Returns (x_sorted [N,D] in x.dtype, plan: MoEPlan). A counting sort:
+      count_e   = #{(t,j): ids[t,j] == e}
+      padded_e  = ceil(count_e / align) * align     (0 for an expert with no token)
+      expert_offsets = [0, cumsum(padded)]           N = expert_offsets[E]
+    Within expert e's segment the real rows come first, in (t, j) order
+    (stable: by token, then by slot), then padded_e - count_e padding rows.
+      x_sorted[r]  = x[slot_token[r]] for real rows, 0 for padding rows
+      token_slot[t,j] = the row r that holds (t, j), so x_sorted[token_slot[t,j]] = x[t]
+    Differentiable with respect to x."""
+    if x.dim() != 2:
+        _fail(f"x must be [T,D], got shape {tuple(x.shape)}")
+    T, D = x.shape
+    _check_ids(ids, num_experts, T)
+    if align <= 0:
+        _fail(f"align must be positive, got {align}")
+    k = ids.shape[1]
+    dev = x.device
+    flat = ids.reshape(-1).long()                                  # pair p = t*k + j
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + align - 1) // align * align
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=dev)
+    offsets[1:] = torch.cumsum(padded, 0)
+    real_starts = torch.cumsum(counts, 0) - counts                 # unpadded segment starts
+    order = torch.sort(flat, stable=True).indices                  # pairs grouped by expert, (t,j) order
+    e_sorted = flat[order]
+    rank = torch.arange(flat.numel(), device=dev) - real_starts[e_sorted]
+    rows = offsets[e_sorted] + rank
+    N = int(offsets[-1])
+    token_slot = torch.empty_like(flat)
+    token_slot[order] = rows
+    slot_token = torch.full((N,), -1, dtype=torch.long, device=dev)
+    slot_token[rows] = order // k if k else order
+    real = slot_token >= 0
+    x_sorted = x.index_select(0, slot_token.clamp(min=0)) * real[:, None].to(x.dtype)
+    plan = MoEPlan(offsets.to(torch.int32), slot_token.to(torch.int32),
+                   token_slot.reshape(T, k).to(torch.int32))
+    return x_sorted, plan
+
+
+def moe_combine(y_sorted, plan, weights):
+    """Weighted un-permute: out[t] = sum_j weights[t,j] * y_sorted[token_slot[t,j]].
+
+    y_sorted [N,D]; plan is a MoEPlan or the token_slot tensor int32 [T,k]
+    itself (the schema passes token_slot); weights [T,k]. Returns [T,D] in
+    y_sorted.dtype, accumulated in fp32 (float64 for float64 inputs); padding
+    rows are never read. Differentiable with respect to y_sorted and weights."""
+    token_slot = plan.token_slot if isinstance(plan, MoEPlan) else plan
+    if y_sorted.dim() != 2:
+        _fail(f"y_sorted must be [N,D], got shape {tuple(y_sorted.shape)}")
+    if token_slot.dim() != 2 or tuple(weights.shape) != tuple(token_slot.shape):
+        _fail(f"weights must be [T,k] like token_slot {tuple(token_slot.shape)}, got {tuple(weights.shape)}")
+    if token_slot.numel() and (int(token_slot.min()) < 0 or int(token_slot.max()) >= y_sorted.shape[0]):
+        _fail(f"token_slot entries must be rows of y_sorted in [0, {y_sorted.shape[0]})")
+    acc = _acc_dtype(y_sorted, weights)
+    T, k = token_slot.shape
+    gathered = y_sorted.to(acc).index_select(0, token_slot.reshape(-1).long()).reshape(T, k, -1)
+    out = (weights.to(acc)[:, :, None] * gathered).sum(1)
+    return out.to(y_sorted.dtype)
+
+
+def swiglu_expert(x, w_gate_up_e, w_down_e):
+    """One SwiGLU expert in HF layout: x [n,D], w_gate_up_e [2I,D] (gate rows
+    0..I-1, up rows I..2I-1), w_down_e [D,I] -> [n,D]:
+        gate, up = (x @ w_gate_up_e^T).chunk(2, -1);  (silu(gate) * up) @ w_down_e^T
+    Computed and returned in fp32 (float64 for float64 inputs)."""
+    acc = _acc_dtype(x, w_gate_up_e, w_down_e)
+    gate, up = F.linear(x.to(acc), w_gate_up_e.to(acc)).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w_down_e.to(acc))
+
+
+def fused_moe(x, w_gate_up, w_down, weights, ids):
+    """The routed-expert layer, as transformers' GlmMoeDsaExperts computes it.
+
+    x [T,D], w_gate_up [E,2I,D], w_down [E,D,I], weights [T,k] (from moe_route),
+    ids int32 [T,k] in [0,E). Returns [T,D] in x.dtype:
+        out[t] = sum_j weights[t,j] * swiglu_expert(x[t], w_gate_up[ids[t,j]], w_down[ids[t,j]])
+    The per-expert loop: for each expert that received a token, gather its
+    (token, slot) pairs, run the expert on those rows, scale by the weights and
+    index_add into the output; accumulated in fp32 (float64 for float64
+    inputs) and cast once at the end (HF casts each expert's contribution to
+    x.dtype before adding; identical in fp32). Differentiable with respect to
+    x, w_gate_up, w_down and weights (the backward oracle is autograd through it)."""
+    if x.dim() != 2:
+        _fail(f"x must be [T,D], got shape {tuple(x.shape)}")
+    T, D = x.shape
+    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != D or w_gate_up.shape[1] % 2:
+        _fail(f"w_gate_up must be [E,2I,D={D}], got shape {tuple(w_gate_up.shape)}")
+    E, I2 = w_gate_up.shape[0], w_gate_up.shape[1]
+    if tuple(w_down.shape) != (E, D, I2 // 2):
+        _fail(f"w_down must be [E={E},D={D},I={I2 // 2}], got shape {tuple(w_down.shape)}")
+    _check_ids(ids, E, T)
+    if tuple(weights.shape) != tuple(ids.shape):
+        _fail(f"weights must be [T,k] = {tuple(ids.shape)} like ids, got {tuple(weights.shape)}")
+    acc = _acc_dtype(x, w_gate_up, w_down, weights)
+    out = torch.zeros(T, D, dtype=acc, device=x.device)
+    ids_l = ids.long()
+    for e in torch.unique(ids_l).tolist():
+        token_idx, slot = torch.where(ids_l == e)
+        y = swiglu_expert(x[token_idx], w_gate_up[e], w_down[e])
+        y = y * weights[token_idx, slot, None].to(acc)
+        out = out.index_add(0, token_idx, y)
+    return out.to(x.dtype)
+
+
+# Load balancing. Sources: DeepSeek-V3 technical report (arXiv 2412.19437)
+# section 2.1.2 (auxiliary-loss-free bias update, eqs. 16; sequence-wise
+# balance loss, eqs. 17-20, alpha = 1e-4 in its runs) and section 4.5.2
+# (MaxVio); Switch Transformer (Fedus et al., arXiv 2101.03961) eqs. 4-6.
+
+def expert_load(ids, num_experts):
+    """int64 [E]: how many (token, slot) pairs chose each expert (ids [...], in [0,E))."""
+    return torch.bincount(ids.reshape(-1).long(), minlength=num_experts)
+
+
+def max_violation(load):
+    """MaxVio = (max_e load_e - mean load) / mean load, a 0-dim fp32 tensor
+    (0 for perfect balance; 0 when nothing was routed)."""
+    lf = load.float()
+    mean = lf.mean()
+    return torch.where(mean > 0, (lf.max() - mean) / torch.where(mean > 0, mean, 1.0),
+                       torch.zeros_like(mean))
+
+
+def bias_update(bias, load, rate=1e-3):
+    """DeepSeek-V3's auxiliary-loss-free update, out of place:
+        bias_e + rate * sign(mean(load) - load_e)
+    (overloaded experts go down by rate, underloaded up, exact-mean ones stay).
+    The bias only steers moe_route's choice, never the mixing weights."""
+    lf = load.to(torch.float32)
+    return (bias.float() + rate * torch.sign(lf.mean() - lf)).to(bias.dtype)
+
+
+def switch_aux_loss(probs, ids):
+    """Switch Transformer load-balancing loss, generalised to top-k:
+        f_e = count_e / (T * k)   (fraction of the T*k assignments sent to e)
+        P_e = mean_t probs[t, e]  (mean router probability of e)
+        loss = E * sum_e f_e * P_e
+    probs [T,E] are the router probabilities as the caller defines them
+    (Switch: softmax of the logits); ids [T,k]. 1 at perfect balance with
+    uniform probabilities; HF Mixtral's load_balancing_loss_func is k times
+    this. Multiply by the loss coefficient (Switch: 1e-2) outside.
+    Differentiable with respect to probs (fp32 scalar)."""
+    T, E = probs.shape
+    k = ids.shape[1]
+    f = expert_load(ids, E).float() / max(T * k, 1)
+    return E * (f * probs.float().mean(0)).sum()
+
+
+def seq_aux_loss(scores, ids):
+    """DeepSeek-V3's sequence-wise balance loss (eqs. 17-20), averaged over sequences.
+
+    scores [..., L, E]: the router's un-biased affinities s_{t,e} (sigmoid
+    scores) for the L tokens of each sequence (a 2-D [L,E] is one sequence);
+    ids [..., L, k]: the experts each token was routed to. Per sequence:
+        s'_{t,e} = s_{t,e} / sum_e' s_{t,e'}
+        f_e = E / (k * L) * #{t : e in ids[t]}
+        P_e = (1/L) sum_t s'_{t,e}
+        L_bal = sum_e f_e * P_e
+    Returns the mean of L_bal over sequences (fp32 scalar, differentiable with
+    respect to scores); multiply by alpha (DeepSeek-V3: 1e-4) outside. 1 at
+    perfect balance with uniform affinities."""
+    E, k, L = scores.shape[-1], ids.shape[-1], scores.shape[-2]
+    s = scores.float().reshape(-1, L, E)
+    i = ids.long().reshape(-1, L, k)
+    s_norm = s / s.sum(-1, keepdim=True)
+    hits = torch.zeros_like(s).scatter_(-1, i, 1.0)                # [n, L, E] one-hot of chosen
+    f = hits.sum(1) * (E / (k * L))                                # [n, E]
+    P = s_norm.mean(1)                                             # [n, E]
+    return (f * P).sum(-1).mean()
+
+
+# --------------------------------------------------------------------------
+# Activation compression: group-wise asymmetric quantisation, packed
+# --------------------------------------------------------------------------
+#
+# Byte layout. x is read in C order and cut into G = x.numel() / group_size
+# groups of group_size consecutive elements (group_size divides x.shape[-1],
+# so a group never spans two rows). Each element becomes an unsigned code
+# q in [0, 2^bits - 1]. packed is a flat uint8 tensor [x.numel() * bits / 8]:
+# element n sits in byte n // (8 / bits) at bit offset (n % (8 / bits)) * bits,
+# first element in the lowest bits:
+#   8-bit: byte n = q[n]
+#   4-bit: byte i = q[2i] | q[2i+1] << 4
+#   2-bit: byte i = q[4i] | q[4i+1] << 2 | q[4i+2] << 4 | q[4i+3] << 6
+# group_size must be a multiple of 8 / bits, so every group starts on a byte.
+# scale and zero are fp32 [G]: x ≈ zero[g] + q * scale[g].
+
+_QBITS = (8, 4, 2)
+
+
+def _check_quant_args(bits, group_size, last_dim=None, name="x"):
+    if bits not in _QBITS:
+        raise ValueError(f"bits must be one of {_QBITS}, got {bits!r}")
+    if not isinstance(group_size, int) or group_size <= 0 or group_size % (8 // bits):
+        raise ValueError(f"group_size must be a positive multiple of {8 // bits} for "
+                         f"{bits}-bit packing, got {group_size!r}")
+    if last_dim is not None and last_dim % group_size:
+        raise ValueError(f"group_size={group_size} must divide the last dimension of {name} "
+                         f"({last_dim})")
+
+
+def quantize_groupwise(x, bits, group_size=128, stochastic=False, generator=None, *, seed=None):
+    """Asymmetric min/max quantisation of contiguous groups, packed (layout above).
+
+    x: floating tensor of rank >= 1 whose last dimension group_size divides.
+    Per group g, in fp32:
+        zero[g]  = min(x_g)
+        scale[g] = (max(x_g) - min(x_g)) / (2^bits - 1)   (0 for a constant group)
+        v = (x - zero[g]) / scale[g]     (v = 0 where scale[g] == 0)
+        q = round(v)  (half to even)     or, stochastic: floor(v + u), u ~ U[0,1)
+        q = clamp(q, 0, 2^bits - 1)
+    so deterministic rounding is off by at most scale/2 and stochastic rounding
+    is unbiased (E[q] = v). u is drawn with torch.rand over the [G, group_size]
+    codes in order, from `generator` (or a fresh one seeded with `seed`; the
+    global RNG if both are None). The C++/CUDA kernels take a seed and draw
+    differently: stochastic results are compared statistically, and kernels
+    may differ from this oracle by one code where v is within rounding of a
+    .5 tie. Returns (packed uint8 [x.numel()*bits/8], scale fp32 [G], zero fp32 [G]).
+    Errors: TypeError for non-floating x; ValueError naming bits or group_size."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (groups run along the last one)")
+    _check_quant_args(bits, group_size, x.shape[-1])
+    levels = (1 << bits) - 1
+    xg = x.detach().float().reshape(-1, group_size)                # [G, group_size]
+    G = xg.shape[0]
+    if G == 0:
+        empty = torch.zeros(0, dtype=torch.float32, device=x.device)
+        return torch.zeros(0, dtype=torch.uint8, device=x.device), empty, empty.clone()
+    zero = xg.amin(1)
+    scale = (xg.amax(1) - zero) / levels
+    has_range = scale > 0
+    v = (xg - zero[:, None]) / torch.where(has_range, scale, torch.ones_like(scale))[:, None]
+    v = torch.where(has_range[:, None], v, torch.zeros_like(v))
+    if stochastic:
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=x.device).manual_seed(int(seed))
+        u = torch.rand(xg.shape, generator=generator, device=x.device, dtype=torch.float32)
+        q = torch.floor(v + u)
+    else:
+        q = torch.round(v)
+    q = q.clamp(0, levels).to(torch.uint8).reshape(-1)
+    per = 8 // bits
+    shifts = torch.arange(per, device=x.device, dtype=torch.uint8) * bits
+    packed = (q.reshape(-1, per) << shifts).sum(1, dtype=torch.int32).to(torch.uint8)
+    return packed, scale, zero
+
+
+def dequantize(packed, scale, zero, bits, group_size, shape, dtype=torch.float32):
+    """Inverse of quantize_groupwise: x_hat = zero[g] + q * scale[g], computed in
+    fp32, returned as `dtype` with `shape` (the shape that was quantised)."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        raise ValueError("shape must have at least one dimension")
+    _check_quant_args(bits, group_size, shape[-1], name="shape")
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be uint8, got {packed.dtype}")
+    numel = math.prod(shape)
+    G = numel // group_size
+    if packed.numel() != numel * bits // 8:
+        raise ValueError(f"packed must hold {numel * bits // 8} bytes for shape {shape} at "
+                         f"{bits} bits, got {packed.numel()}")
+    if scale.numel() != G or zero.numel() != G:
+        raise ValueError(f"scale and zero must have G={G} entries, got {scale.numel()} and {zero.numel()}")
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    mask = (1 << bits) - 1
+    q = ((packed.reshape(-1, 1) >> shifts) & mask).reshape(G, group_size).float()
+    x = zero.float().reshape(G, 1) + q * scale.float().reshape(G, 1)
+    return x.reshape(shape).to(dtype)
