@@ -20,7 +20,7 @@ TORCH_LIBRARY(glm5, m) {
   m.def("indexer_topk(Tensor q, Tensor w, Tensor k, int topk, bool causal, Tensor? q_start) -> Tensor");
   // block-level predictor -> (kv_num_blocks int32[B,H,Qb], kv_indices int32[B,H,Qb,maxKV])
   m.def("block_topk_mask(Tensor q, Tensor k, int block_size, int topk_blocks, bool causal, "
-        "int sink_blocks, int local_blocks, str pooling) -> (Tensor, Tensor)");
+        "int sink_blocks, int local_blocks, str pooling, Tensor? q_start) -> (Tensor, Tensor)");
 
   // --- Sparse attention ---
   // -> (out[B,S,Hq,Dv], lse fp32[B,S,Hq])
@@ -30,9 +30,9 @@ TORCH_LIBRARY(glm5, m) {
   m.def("sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor indices, "
         "Tensor out, Tensor lse, float scale, bool causal, Tensor? q_start) -> (Tensor, Tensor, Tensor)");
   m.def("block_sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, "
-        "Tensor kv_indices, int block_size, float scale, bool causal) -> (Tensor, Tensor)");
+        "Tensor kv_indices, int block_size, float scale, bool causal, Tensor? q_start) -> (Tensor, Tensor)");
   m.def("block_sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, "
-        "Tensor kv_indices, Tensor out, Tensor lse, int block_size, float scale, bool causal) "
+        "Tensor kv_indices, Tensor out, Tensor lse, int block_size, float scale, bool causal, Tensor? q_start) "
         "-> (Tensor, Tensor, Tensor)");
 
   // --- Mixture of Experts (HF layout: w_gate_up[E,2I,D], w_down[E,D,I]) ---
