@@ -118,3 +118,15 @@ def test_fused_topk_32k_under_1gib():
     print(line)
     peak = float(line.split()[0].split("=")[1])
     assert peak < 1.0, f"peak resident memory {peak:.2f} GiB >= 1 GiB"
+
+
+@pytest.mark.parametrize("S", [1, 3])
+def test_decode_long_context(backend, poisoned, S):
+    """Decode-shaped calls (one query block, long T): the CPU kernel splits the
+    key range across threads and merges the splits' candidates."""
+    T = 20000 if not (INTERPRETED and backend == "triton") else 5000
+    q, w, k = _inputs(1, S, T, 8, 64, torch.float32)
+    want = reference.indexer_scores(q, w, k)
+    _assert_scores_close(glm5_ops.indexer_scores(q, w, k), want, torch.float32)
+    idx = glm5_ops.indexer_topk(q, w, k, 2048)
+    assert_valid_topk(want, idx, 2048, value_tol=1e-5 * float(want[torch.isfinite(want)].abs().max()))

@@ -105,11 +105,72 @@ void score_tile(const IndexerProblem& p, int64_t b, int64_t s0, int64_t s1, int6
   }
 }
 
-// Running top-k of one query: candidates whose key beats the current k-th.
-struct RunningTopk {
-  int64_t count = 0;
-  uint32_t floor_key = 0;  // keys at or below it can no longer enter
+// Per-thread scratch of the streaming top-k: the score tile and, per query of
+// the block, a candidate buffer holding the kept top-k plus room for two key
+// chunks. When the next chunk would not fit, the buffer shrinks back to the
+// top-k and its floor (the k-th key) rises: later keys must beat it to enter.
+struct StreamScratch {
+  int64_t topk, cap;
+  std::vector<float> logits, scores;
+  std::vector<uint32_t> keys, kept_keys;
+  std::vector<int32_t> idx, kept_idx;
+  std::vector<int64_t> count;
+  std::vector<uint32_t> floor_key;
+  StreamScratch(const IndexerProblem& p, int64_t topk_)
+      : topk(topk_), cap(2 * topk_ + 2 * kKeyChunk), logits(p.queries_per_block() * p.H * kKeyChunk),
+        scores(p.queries_per_block() * kKeyChunk), keys(p.queries_per_block() * cap), kept_keys(topk_),
+        idx(p.queries_per_block() * cap), kept_idx(topk_), count(p.queries_per_block()),
+        floor_key(p.queries_per_block()) {}
+  uint32_t* keys_of(int64_t i) { return keys.data() + i * cap; }
+  int32_t* idx_of(int64_t i) { return idx.data() + i * cap; }
 };
+
+// Streams keys [t_begin, t_end) of batch b past queries [s0, s1), leaving each
+// query's best candidates (a superset of its top-k over that range) in sc.
+void stream_topk(const IndexerProblem& p, int64_t b, int64_t s0, int64_t s1, int64_t t_begin, int64_t t_end,
+                 StreamScratch& sc) {
+  std::fill(sc.count.begin(), sc.count.end(), 0);
+  std::fill(sc.floor_key.begin(), sc.floor_key.end(), 0u);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kKeyChunk) {
+    const int64_t t1 = std::min(t0 + kKeyChunk, t_end);
+    score_tile(p, b, s0, s1, t0, t1, sc.logits.data(), sc.scores.data(), kKeyChunk);
+    for (int64_t i = 0; i < s1 - s0; ++i) {
+      uint32_t* kq = sc.keys_of(i);
+      int32_t* iq = sc.idx_of(i);
+      int64_t& n = sc.count[i];
+      if (n + (t1 - t0) > sc.cap) {
+        n = radix_select(kq, iq, n, sc.topk, sc.kept_idx.data(), sc.kept_keys.data());
+        std::copy(sc.kept_keys.begin(), sc.kept_keys.begin() + n, kq);
+        std::copy(sc.kept_idx.begin(), sc.kept_idx.begin() + n, iq);
+        if (n == sc.topk) sc.floor_key[i] = *std::min_element(kq, kq + n);
+      }
+      const uint32_t floor = sc.floor_key[i];
+      const float* sr = sc.scores.data() + i * kKeyChunk;
+      for (int64_t t = 0; t < t1 - t0; ++t) {  // branch-free append of keys above the floor
+        const uint32_t key = radix_key(sr[t]);
+        kq[n] = key;
+        iq[n] = static_cast<int32_t>(t0 + t);
+        n += key > floor;
+      }
+    }
+  }
+}
+
+// With fewer query blocks than threads (decode: S = 1), the key range of each
+// block is split so every thread has work; the splits' candidates are merged.
+int64_t key_splits(const IndexerProblem& p, int64_t tasks) {
+  const int64_t threads = at::get_num_threads();
+  if (tasks >= threads) return 1;
+  const int64_t chunks = (p.T + kKeyChunk - 1) / kKeyChunk;
+  return std::max<int64_t>(1, std::min(threads / tasks, chunks / 4));
+}
+
+// Split `part` of `parts` of keys [0, t_end), on chunk boundaries.
+std::pair<int64_t, int64_t> split_range(int64_t t_end, int64_t part, int64_t parts) {
+  const int64_t chunks = (t_end + kKeyChunk - 1) / kKeyChunk;
+  const int64_t c0 = chunks * part / parts, c1 = chunks * (part + 1) / parts;
+  return {std::min(c0 * kKeyChunk, t_end), std::min(c1 * kKeyChunk, t_end)};
+}
 
 }  // namespace
 
@@ -120,17 +181,23 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
   const IndexerProblem p = make_problem(in, causal, q_start);
   at::Tensor out = at::empty({p.B, p.S, p.T}, q.options().dtype(at::kFloat));
   const int64_t qpb = p.queries_per_block(), nqb = (p.S + qpb - 1) / qpb;
+  const int64_t nkc = (p.T + kKeyChunk - 1) / kKeyChunk;
   float* out_ptr = out.data_ptr<float>();
-  at::parallel_for(0, p.B * nqb, 1, [&](int64_t begin, int64_t end) {
+  // One work item per (query block, key chunk): decode-shaped calls use every thread too.
+  at::parallel_for(0, p.B * nqb * nkc, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> logits(qpb * p.H * kKeyChunk);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t task = item / nkc, t0 = (item % nkc) * kKeyChunk, t1 = std::min(t0 + kKeyChunk, p.T);
       const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
-      const int64_t t_end = p.key_end(b, s1);
-      float* dst = out_ptr + (b * p.S + s0) * p.T;
-      for (int64_t t0 = 0; t0 < t_end; t0 += kKeyChunk)
-        score_tile(p, b, s0, s1, t0, std::min(t0 + kKeyChunk, t_end), logits.data(), dst + t0, p.T);
-      for (int64_t s = s0; s < s1; ++s)  // the skipped, fully masked chunks
-        std::fill(dst + (s - s0) * p.T + t_end, dst + (s - s0 + 1) * p.T, -std::numeric_limits<float>::infinity());
+      float* dst = out_ptr + (b * p.S + s0) * p.T + t0;
+      if (t0 < p.key_end(b, s1)) {
+        score_tile(p, b, s0, s1, t0, std::min(t1, p.key_end(b, s1)), logits.data(), dst, p.T);
+      }
+      for (int64_t s = s0; s < s1; ++s) {  // keys past every query of the block: skipped, -inf
+        float* row = dst + (s - s0) * p.T;
+        std::fill(row + std::max<int64_t>(0, std::min(t1, p.key_end(b, s1)) - t0), row + (t1 - t0),
+                  -std::numeric_limits<float>::infinity());
+      }
     }
   });
   return out;
@@ -144,48 +211,57 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& w, const at::Tens
   const Fp32Inputs in(q, w, k);
   const IndexerProblem p = make_problem(in, causal, q_start);
   at::Tensor out = at::empty({p.B, p.S, topk}, q.options().dtype(at::kInt));
-  const int64_t qpb = p.queries_per_block(), nqb = (p.S + qpb - 1) / qpb;
-  // Candidate buffer per query: the kept top-k plus room for two chunks; when
-  // the next chunk would not fit, shrink back to the top-k and raise the floor.
-  const int64_t cap = 2 * topk + 2 * kKeyChunk;
+  const int64_t qpb = p.queries_per_block(), nqb = (p.S + qpb - 1) / qpb, tasks = p.B * nqb;
+  const int64_t splits = key_splits(p, tasks);
   int32_t* out_ptr = out.data_ptr<int32_t>();
-  at::parallel_for(0, p.B * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> logits(qpb * p.H * kKeyChunk), scores(qpb * kKeyChunk);
-    std::vector<uint32_t> keys(qpb * cap), kept_keys(topk);
-    std::vector<int32_t> idx(qpb * cap), kept_idx(topk);
-    std::vector<RunningTopk> run(qpb);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
-      const int64_t t_end = p.key_end(b, s1);
-      std::fill(run.begin(), run.end(), RunningTopk{});
-      for (int64_t t0 = 0; t0 < t_end; t0 += kKeyChunk) {
-        const int64_t t1 = std::min(t0 + kKeyChunk, t_end);
-        score_tile(p, b, s0, s1, t0, t1, logits.data(), scores.data(), kKeyChunk);
+  if (splits == 1) {
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      StreamScratch sc(p, topk);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
+        stream_topk(p, b, s0, s1, 0, p.key_end(b, s1), sc);
         for (int64_t s = s0; s < s1; ++s) {
-          RunningTopk& r = run[s - s0];
-          uint32_t* kq = keys.data() + (s - s0) * cap;
-          int32_t* iq = idx.data() + (s - s0) * cap;
-          if (r.count + (t1 - t0) > cap) {  // shrink to the current top-k
-            r.count = radix_select(kq, iq, r.count, topk, kept_idx.data(), kept_keys.data());
-            std::copy(kept_keys.begin(), kept_keys.begin() + r.count, kq);
-            std::copy(kept_idx.begin(), kept_idx.begin() + r.count, iq);
-            if (r.count == topk) r.floor_key = *std::min_element(kq, kq + r.count);
-          }
-          const float* sr = scores.data() + (s - s0) * kKeyChunk;
-          for (int64_t t = 0; t < t1 - t0; ++t) {
-            const uint32_t key = radix_key(sr[t]);
-            if (key > r.floor_key) {
-              kq[r.count] = key;
-              iq[r.count] = static_cast<int32_t>(t0 + t);
-              ++r.count;
-            }
-          }
+          int32_t* dst = out_ptr + (b * p.S + s) * topk;
+          const int64_t got = radix_select(sc.keys_of(s - s0), sc.idx_of(s - s0), sc.count[s - s0], topk, dst);
+          std::fill(dst + got, dst + topk, -1);
         }
       }
-      for (int64_t s = s0; s < s1; ++s) {
-        int32_t* dst = out_ptr + (b * p.S + s) * topk;
-        const int64_t got = radix_select(keys.data() + (s - s0) * cap, idx.data() + (s - s0) * cap,
-                                         run[s - s0].count, topk, dst);
+    });
+    return out;
+  }
+  // Few queries (tasks * splits <= threads, so S is small): each split keeps
+  // its own top-k of its key range, then one select over the splits' union.
+  std::vector<uint32_t> part_keys(tasks * splits * qpb * topk);
+  std::vector<int32_t> part_idx(part_keys.size());
+  std::vector<int64_t> part_count(tasks * splits * qpb, 0);
+  at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
+    StreamScratch sc(p, topk);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t task = item / splits, b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
+      const auto [t0, t1] = split_range(p.key_end(b, s1), item % splits, splits);
+      stream_topk(p, b, s0, s1, t0, t1, sc);
+      for (int64_t i = 0; i < s1 - s0; ++i) {
+        const int64_t slot = item * qpb + i;
+        part_count[slot] = radix_select(sc.keys_of(i), sc.idx_of(i), sc.count[i], topk,
+                                        part_idx.data() + slot * topk, part_keys.data() + slot * topk);
+      }
+    }
+  });
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> keys(splits * topk);
+    std::vector<int32_t> idx(splits * topk);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
+      for (int64_t i = 0; i < s1 - s0; ++i) {
+        int64_t n = 0;
+        for (int64_t part = 0; part < splits; ++part) {
+          const int64_t slot = (task * splits + part) * qpb + i;
+          std::copy_n(part_keys.data() + slot * topk, part_count[slot], keys.data() + n);
+          std::copy_n(part_idx.data() + slot * topk, part_count[slot], idx.data() + n);
+          n += part_count[slot];
+        }
+        int32_t* dst = out_ptr + (b * p.S + s0 + i) * topk;
+        const int64_t got = radix_select(keys.data(), idx.data(), n, topk, dst);
         std::fill(dst + got, dst + topk, -1);
       }
     }
