@@ -427,6 +427,15 @@ def timings(torch, glm5_ops, backends, quick):
                     sync()
                     return indexer_topk_ok(torch, idx, q, w, k, topk, True, None)
                 run_check(f"indexer_topk/{be}: bench shape B={B} S={S} T={T}", chk)
+            if B * S * T * 4 <= 2e9:
+                def det(be=be):  # no atomics in the scores path: two runs must agree bit for bit
+                    with glm5_ops.use_backend(be):
+                        a = glm5_ops.indexer_scores(q, w, k)
+                        b = glm5_ops.indexer_scores(q, w, k)
+                    torch.cuda.synchronize()
+                    return torch.equal(a, b), "two runs bit-identical" if torch.equal(a, b) else \
+                        f"runs differ in {(a != b).sum().item()} entries (race?)"
+                run_check(f"indexer_scores/{be}: repeatable at B={B} S={S} T={T}", det)
         del q, w, k
         torch.cuda.empty_cache()
 

@@ -12,9 +12,11 @@
 //     (a warp-aggregated shared-memory slot counter); entries of bin tb are
 //     collected, as (fp32 key, index), into shared memory (4096 slots). When
 //     bin tb holds exactly the number still needed it is taken whole.
-//  4. Refinement: up to four 8-bit radix passes over the candidates on the
-//     fp32 key (bits 31..0), each writing the candidates above its threshold
-//     digit; when bin tb held more than 4096 entries the same passes run over
+//  4. Refinement: 8-bit radix passes over the candidates on the fp32 key,
+//     from the highest bit in which the candidates differ (their min and max
+//     key are tracked while collecting) down to bit 0, each writing the
+//     candidates above its threshold digit, stopping early once the threshold
+//     digit holds exactly the number still needed; when bin tb held more than 4096 entries the same passes run over
 //     the row in global memory instead (re-reading it, filtered by bin tb).
 //     Whatever is still needed after the last pass are ties: any of them.
 //  5. sorted=True with k <= 4096: a block-wide bitonic sort in shared memory
@@ -85,6 +87,7 @@ struct Smem {
   unsigned long long buf[kCandCap];  // candidates (key << 32 | index), then the sort
   unsigned warp_buf[32];
   unsigned n_out, n_cand, total, bin, above;
+  uint32_t kmin, kmax;  // key range of the shared-memory candidates
 };
 
 // The bin holding the need-th largest entry of hist[0, NB) counted from the
@@ -151,14 +154,18 @@ struct RowCandidates {
   }
 };
 
-// Chooses `need` (>= 1) of the candidates (more than `need` of them): up to
-// four 8-bit radix passes over the fp32 key, then ties. Writes out[] through
+// Chooses `need` (>= 1) of the candidates (more than `need` of them): 8-bit
+// radix passes over the fp32 key bits below `top` (the bits at and above it
+// are the same in every candidate: `prefix`), then ties. Writes out[] through
 // the slot counter sm.n_out, which stops mattering past k.
 template <int BLOCK, class Cands>
 __device__ __forceinline__ void refine(Smem& sm, const Cands& cands, unsigned need, int32_t* __restrict__ out,
-                                       unsigned k) {
-  uint32_t prefix = 0u, mask = 0u;
-  for (int shift = 24; shift >= 0; shift -= 8) {
+                                       unsigned k, int top, uint32_t prefix) {
+  uint32_t mask = top >= 32 ? 0u : (0xffffffffu << top);
+  prefix &= mask;
+  while (top > 0) {
+    const int shift = top > 8 ? top - 8 : 0;
+    top = shift;
     for (int i = threadIdx.x; i < 256; i += BLOCK) sm.hist[i] = 0u;
     __syncthreads();
     cands.for_each([&](uint32_t key, int32_t, bool ok) {
@@ -177,7 +184,7 @@ __device__ __forceinline__ void refine(Smem& sm, const Cands& cands, unsigned ne
       });
     }
     prefix |= d << shift;
-    mask |= 255u << shift;
+    mask |= 255u << shift;  // bits of this pass (those above `top` before it were already in mask)
     need -= above;
     __syncthreads();  // sm.hist, sm.bin are rewritten next pass
     if (cnt == need) break;
@@ -214,6 +221,8 @@ __global__ void __launch_bounds__(BLOCK) topk_kernel(TopkRows m, int64_t rows, b
     if (threadIdx.x == 0) {
       sm.n_out = 0u;
       sm.n_cand = 0u;
+      sm.kmin = 0xffffffffu;
+      sm.kmax = 0u;
     }
     __syncthreads();
     // --- 1. coarse histogram ---
@@ -250,15 +259,23 @@ __global__ void __launch_bounds__(BLOCK) topk_kernel(TopkRows m, int64_t rows, b
           const bool cand = ok && bin == tb;
           const unsigned c = warp_alloc(cand, &sm.n_cand);
           if (cand) sm.buf[c] = (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(i);
+          const uint32_t lo = __reduce_min_sync(kFullMask, cand ? key : 0xffffffffu);
+          const uint32_t hi = __reduce_max_sync(kFullMask, cand ? key : 0u);
+          if ((threadIdx.x & 31) == 0 && hi >= lo) {
+            atomicMin(&sm.kmin, lo);
+            atomicMax(&sm.kmax, hi);
+          }
         }
       });
       __syncthreads();
       // --- 4. refine within the threshold bin ---
       if (!take_all) {
-        if (fits) {
-          refine<BLOCK>(sm, SmemCandidates<BLOCK>{sm.buf, cnt}, need, out, k);
+        if (fits) {  // start below the bits every candidate shares
+          const uint32_t diff = sm.kmin ^ sm.kmax;
+          const int top = diff == 0u ? 0 : 32 - __clz(diff);
+          refine<BLOCK>(sm, SmemCandidates<BLOCK>{sm.buf, cnt}, need, out, k, top, sm.kmax);
         } else {
-          refine<BLOCK>(sm, RowCandidates<scalar_t, BLOCK>{row, len, vec, tb}, need, out, k);
+          refine<BLOCK>(sm, RowCandidates<scalar_t, BLOCK>{row, len, vec, tb}, need, out, k, 32, 0u);
         }
       }
       got = k;
