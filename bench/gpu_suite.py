@@ -424,58 +424,53 @@ def timings(torch, glm5_ops, backends, quick):
                 def chk(be=be):
                     with glm5_ops.use_backend(be):
                         idx = glm5_ops.indexer_topk(q, w, k, topk)
-                    sync()
+                    torch.cuda.synchronize()
                     return indexer_topk_ok(torch, idx, q, w, k, topk, True, None)
                 run_check(f"indexer_topk/{be}: bench shape B={B} S={S} T={T}", chk)
-            if B * S * T * 4 <= 2e9:
-                def det(be=be):  # no atomics in the scores path: two runs must agree bit for bit
-                    with glm5_ops.use_backend(be):
-                        a = glm5_ops.indexer_scores(q, w, k)
-                        b = glm5_ops.indexer_scores(q, w, k)
-                    torch.cuda.synchronize()
-                    return torch.equal(a, b), "two runs bit-identical" if torch.equal(a, b) else \
-                        f"runs differ in {(a != b).sum().item()} entries (race?)"
-                run_check(f"indexer_scores/{be}: repeatable at B={B} S={S} T={T}", det)
+                if B * S * T * 4 <= 2e9:
+                    def det(be=be):  # no atomics in the scores path: two runs must agree bit for bit
+                        with glm5_ops.use_backend(be):
+                            a = glm5_ops.indexer_scores(q, w, k)
+                            b = glm5_ops.indexer_scores(q, w, k)
+                        torch.cuda.synchronize()
+                        same = torch.equal(a, b)
+                        return same, "two runs bit-identical" if same else \
+                            f"runs differ in {(a != b).sum().item()} entries (race?)"
+                    run_check(f"indexer_scores/{be}: repeatable at B={B} S={S} T={T}", det)
         del q, w, k
         torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------- main
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer checks and shapes (~2 minutes)")
-    ap.add_argument("--skip-build", action="store_true")
-    ap.add_argument("--skip-checks", action="store_true")
-    ap.add_argument("--skip-timings", action="store_true")
-    ap.add_argument("--backends", default="cpp,triton")
-    ap.add_argument("--device", default="cuda", help="cpu: dry-run the checks on the CPU kernels (no timings)")
-    ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "gpu_suite.json") if os.environ.get("OUT") else None)
-    args = ap.parse_args()
+def run_section(args, section: str, backend: str, budget_s: int) -> None:
+    """Runs one section in a child process, so that a sticky CUDA error (an
+    illegal address, say) or a hang costs that section only."""
+    import tempfile
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--section", section, "--backends", backend,
+           "--json", path, "--device", args.device] + (["--quick"] if args.quick else [])
+    log(f"--- section {section} [{backend}] ---")
+    try:
+        rc = subprocess.run(cmd, cwd=ROOT, timeout=budget_s).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    try:
+        with open(path) as f:
+            part = json.load(f)
+        RESULTS["checks"] += part["checks"]
+        RESULTS["timings"] += part["timings"]
+        RESULTS.setdefault("meta", part.get("meta"))
+    except Exception:  # noqa: BLE001 - the child died before writing
+        pass
+    if rc != 0:
+        record_check(f"section {section}/{backend}", False, f"child process ended with {rc} (crash, sticky CUDA error "
+                     "or timeout): results after its last line above are missing")
+    os.unlink(path)
 
-    cpu = args.device == "cpu"
-    if not args.skip_build and not cpu:
-        ensure_built()
-    import torch
-    import glm5_ops
-    name = "cpu" if cpu else torch.cuda.get_device_name()
-    log(f"torch {torch.__version__} cuda {torch.version.cuda}; device {name}; "
-        f"glm5_ops._C WITH_CUDA={getattr(glm5_ops._backend._C, 'WITH_CUDA', None)}")
-    backends = [b for b in args.backends.split(",") if b]
-    RESULTS["meta"] = {"torch": torch.__version__, "device": name, "quick": args.quick}
 
-    if not args.skip_checks:
-        log("=== checks ===")
-        checks(torch, glm5_ops, backends, args.quick, dev=args.device)
-    if not args.skip_timings and not cpu:
-        log("=== timings ===")
-        timings(torch, glm5_ops, backends, args.quick)
-
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(RESULTS, f, indent=1)
-
-    # ---- summary last (the tool returns the tail of the output)
+def summary() -> None:
     fails = [c for c in RESULTS["checks"] if not c["ok"]]
     print("\n## GPU suite summary\n")
     print(f"checks: {len(RESULTS['checks']) - len(fails)}/{len(RESULTS['checks'])} passed; "
@@ -488,15 +483,72 @@ def main():
         by_backend[be][1] += 1
     for be, (p, n) in by_backend.items():
         print(f"- {be}: {p}/{n}")
-    for c in fails[:25]:
-        print(f"- FAIL {c['name']}: {c['detail']}")
+    by_detail = {}  # one line per distinct failure (a missing backend fails every check the same way)
+    for c in fails:
+        by_detail.setdefault(c["detail"][:160], []).append(c["name"])
+    for detail, names in list(by_detail.items())[:25]:
+        more = f" (+{len(names) - 1} more like it)" if len(names) > 1 else ""
+        print(f"- FAIL {names[0]}: {detail}{more}")
     print("\n| case | impl | ms | TFLOP/s | GB/s | vs baseline |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
+    seen = set()
     for r in RESULTS["timings"]:
+        if (r["group"], r["impl"]) in seen:  # baselines are timed once per backend section
+            continue
+        seen.add((r["group"], r["impl"]))
         fmt = lambda v, f: (f % v) if v is not None else "-"  # noqa: E731
         ms = fmt(r.get("ms"), "%.4f") if r.get("ms") is not None else ("fail: " + r.get("note", ""))[:60]
         print(f"| {r['group']} | {r['impl']} | {ms} | {fmt(r.get('tflops'), '%.1f')} | {fmt(r.get('gbs'), '%.0f')} | "
               f"{fmt(r.get('speedup'), 'x%.2f')} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer checks and shapes (~2 minutes)")
+    ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--skip-timings", action="store_true")
+    ap.add_argument("--backends", default="cpp,triton")
+    ap.add_argument("--device", default="cuda", help="cpu: dry-run the checks on the CPU kernels (no timings)")
+    ap.add_argument("--section", choices=["checks", "timings"], help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "gpu_suite.json") if os.environ.get("OUT") else None)
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    backends = [b for b in args.backends.split(",") if b]
+
+    if args.section:  # child: one section, results to --json
+        import torch
+        import glm5_ops
+        name = "cpu" if cpu else torch.cuda.get_device_name()
+        RESULTS["meta"] = {"torch": torch.__version__, "device": name, "quick": args.quick}
+        try:
+            if args.section == "checks":
+                checks(torch, glm5_ops, backends, args.quick, dev=args.device)
+            else:
+                timings(torch, glm5_ops, backends, args.quick)
+        finally:
+            with open(args.json, "w") as f:
+                json.dump(RESULTS, f)
+        return
+
+    if not args.skip_build and not cpu:
+        ensure_built()
+    import torch
+    import glm5_ops
+    name = "cpu" if cpu else torch.cuda.get_device_name()
+    log(f"torch {torch.__version__} cuda {torch.version.cuda}; device {name}; "
+        f"glm5_ops._C WITH_CUDA={getattr(glm5_ops._backend._C, 'WITH_CUDA', None)}")
+    del torch, glm5_ops
+    for be in backends:
+        if not args.skip_checks:
+            run_section(args, "checks", be, budget_s=150 if args.quick else 200)
+    for be in backends:
+        if not args.skip_timings and not cpu:
+            run_section(args, "timings", be, budget_s=150 if args.quick else 200)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    summary()
 
 
 if __name__ == "__main__":
