@@ -25,16 +25,20 @@ __device__ __forceinline__ uint32_t radix_key(float f) {
   return (key - 0x00800000u) <= (0xFF800000u - 0x00800000u) ? key : 0u;
 }
 
-// An 11-bit coarse key: the top 11 bits of the order-preserving key of the
-// value rounded to fp16 (sign, 5 exponent, 5 mantissa bits). Rounding is
-// monotone, so a larger coarse bin always means a larger fp32 key; fp16 spreads
-// typical scores over many more bins than the top bits of the fp32 key would.
-// Unselectable values (key 0) go to bin 0; every selectable one lands in
-// bin >= 31 (fp16 -inf, for very negative finite floats).
-__device__ __forceinline__ uint32_t coarse_bin(float f, uint32_t key) {
-  if (key == 0u) return 0u;
+// Whether radix_key(f) != 0, in one comparison: false for NaN and -inf only.
+// (nvcc's --use_fast_math flushes denormals and relaxes division, it does not
+// assume finite values, so the comparison keeps its IEEE meaning.)
+__device__ __forceinline__ bool selectable(float f) { return f > __int_as_float(0xff800000); }
+
+// An 11-bit coarse key of a selectable f: the top 11 bits of the
+// order-preserving key of f rounded to fp16 (sign, 5 exponent, 5 mantissa
+// bits). Rounding is monotone, so a larger coarse bin always means a larger
+// fp32 key; fp16 spreads typical scores over many more bins than the top bits
+// of the fp32 key would. Every selectable f lands in bin >= 31 (fp16 -inf,
+// for very negative finite floats), so bin 0 can stand for "unselectable".
+__device__ __forceinline__ uint32_t coarse_bin(float f) {
   const uint32_t h = __half_as_ushort(__float2half_rn(f));
-  const uint32_t k16 = (h & 0x8000u) ? (~h & 0xFFFFu) : (h | 0x8000u);
+  const uint32_t k16 = h ^ ((0u - (h >> 15)) & 0x7FFFu) ^ 0x8000u;  // negative: ~h; else h | 0x8000
   return k16 >> 5;
 }
 

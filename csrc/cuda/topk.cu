@@ -16,15 +16,19 @@
 //     from the highest bit in which the candidates differ (their min and max
 //     key are tracked while collecting) down to bit 0, each writing the
 //     candidates above its threshold digit, stopping early once the threshold
-//     digit holds exactly the number still needed; when bin tb held more than 4096 entries the same passes run over
-//     the row in global memory instead (re-reading it, filtered by bin tb).
+//     digit holds exactly the number still needed; when bin tb held more
+//     than 4096 entries the same passes run over the row in global memory
+//     instead (re-reading it, filtered by bin tb).
 //     Whatever is still needed after the last pass are ties: any of them.
 //  5. sorted=True with k <= 4096: a block-wide bitonic sort in shared memory
 //     of (key, ~index) pairs: descending by value, ties by lower index first.
 //     Larger k: sorted on the host side with ATen (rare path).
 // Loads are 16-byte vectors (several in flight per thread) when the row
-// allows. Rows up to 2^31 - 1 long, any k <= T. Launch: 1024 threads per row
-// for rows >= 8192, 256 otherwise.
+// allows. Cost model for one long row on one SM: the two passes are bound by
+// instruction issue (~128 lanes/clock), not bytes, so the per-element work is
+// kept to a key, a bin and one ballot (warps with nothing at or above the
+// threshold bin skip the rest of the split pass). Rows up to 2^31 - 1 long,
+// any k <= T. Launch: 1024 threads per row for rows >= 8192, 256 otherwise.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -148,8 +152,7 @@ struct RowCandidates {
   __device__ __forceinline__ void for_each(F&& f) const {
     const uint32_t bin = tb;
     for_each_in_row<scalar_t, BLOCK>(row, len, vec, [&](int64_t i, float v, bool ok) {
-      const uint32_t key = radix_key(v);
-      f(key, static_cast<int32_t>(i), ok && coarse_bin(v, key) == bin);
+      f(radix_key(v), static_cast<int32_t>(i), ok && selectable(v) && coarse_bin(v) == bin);
     });
   }
 };
@@ -226,9 +229,11 @@ __global__ void __launch_bounds__(BLOCK) topk_kernel(TopkRows m, int64_t rows, b
     }
     __syncthreads();
     // --- 1. coarse histogram ---
+    // Branch-free (a predicated shared atomic); unselectable entries and the
+    // padding lanes are not counted.
     for_each_in_row<scalar_t, BLOCK>(row, len, vec, [&](int64_t, float v, bool ok) {
-      const uint32_t key = radix_key(v);
-      if (ok && key != 0u) atomicAdd(&sm.hist[coarse_bin(v, key)], 1u);
+      const uint32_t bin = coarse_bin(v);
+      if (ok && selectable(v)) atomicAdd(&sm.hist[bin], 1u);
     });
     __syncthreads();
     // --- 2. threshold bin ---
@@ -237,7 +242,7 @@ __global__ void __launch_bounds__(BLOCK) topk_kernel(TopkRows m, int64_t rows, b
     unsigned got;
     if (total <= k) {  // every selectable entry is chosen
       for_each_in_row<scalar_t, BLOCK>(row, len, vec, [&](int64_t i, float v, bool ok) {
-        const bool sel = ok && radix_key(v) != 0u;
+        const bool sel = ok && selectable(v);
         const unsigned slot = warp_alloc(sel, &sm.n_out);
         if (sel) out[slot] = static_cast<int32_t>(i);
       });
@@ -249,24 +254,33 @@ __global__ void __launch_bounds__(BLOCK) topk_kernel(TopkRows m, int64_t rows, b
       const bool take_all = cnt == need;
       const bool fits = cnt <= static_cast<unsigned>(kCandCap);
       // --- 3. split ---
+      // Most warps hold nothing at or above tb: one ballot and they move on.
+      uint32_t my_min = 0xffffffffu, my_max = 0u;  // key range of this thread's candidates
       for_each_in_row<scalar_t, BLOCK>(row, len, vec, [&](int64_t i, float v, bool ok) {
-        const uint32_t key = radix_key(v);
-        const uint32_t bin = coarse_bin(v, key);
-        const bool sel = ok && (bin > tb || (take_all && bin == tb));
+        const uint32_t bin = ok && selectable(v) ? coarse_bin(v) : 0u;  // tb >= 31 > 0
+        if (__ballot_sync(kFullMask, bin >= tb) == 0u) return;
+        const bool sel = bin > tb || (take_all && bin == tb);
         const unsigned slot = warp_alloc(sel, &sm.n_out);
         if (sel) out[slot] = static_cast<int32_t>(i);
         if (!take_all && fits) {
-          const bool cand = ok && bin == tb;
+          const bool cand = bin == tb;
           const unsigned c = warp_alloc(cand, &sm.n_cand);
-          if (cand) sm.buf[c] = (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(i);
-          const uint32_t lo = __reduce_min_sync(kFullMask, cand ? key : 0xffffffffu);
-          const uint32_t hi = __reduce_max_sync(kFullMask, cand ? key : 0u);
-          if ((threadIdx.x & 31) == 0 && hi >= lo) {
-            atomicMin(&sm.kmin, lo);
-            atomicMax(&sm.kmax, hi);
+          if (cand) {
+            const uint32_t key = radix_key(v);
+            sm.buf[c] = (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(i);
+            my_min = min(my_min, key);
+            my_max = max(my_max, key);
           }
         }
       });
+      if (!take_all && fits) {
+        const uint32_t lo = __reduce_min_sync(kFullMask, my_min);
+        const uint32_t hi = __reduce_max_sync(kFullMask, my_max);
+        if ((threadIdx.x & 31) == 0 && hi >= lo) {
+          atomicMin(&sm.kmin, lo);
+          atomicMax(&sm.kmax, hi);
+        }
+      }
       __syncthreads();
       // --- 4. refine within the threshold bin ---
       if (!take_all) {
