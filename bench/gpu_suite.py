@@ -18,6 +18,12 @@
    (einsum -> relu -> weighted head sum -> causal mask -> torch.topk).
 Prints progress as it goes and a markdown table last; writes all results as
 JSON to --json (default $OUT/gpu_suite.json when $OUT is set). < 8 minutes.
+Each (section, backend) runs in its own child process: a sticky CUDA error or
+a hang (200 s limit) loses that section only. --only NAME[,NAME] reruns a
+subset by name; --device cpu dry-runs the checks on the CPU kernels.
+
+Device call (from the repo root):
+    PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py 2>&1 | tee $OUT/suite.log
 """
 from __future__ import annotations
 
@@ -80,6 +86,11 @@ def ensure_built() -> None:
 # --------------------------------------------------------------------------- checks
 
 RESULTS: dict = {"checks": [], "timings": []}
+ONLY: list = []  # --only: run just the checks / timings whose name contains one of these
+
+
+def wanted(name: str) -> bool:
+    return not ONLY or any(o in name for o in ONLY)
 
 
 def record_check(name: str, ok: bool, detail: str) -> None:
@@ -88,6 +99,8 @@ def record_check(name: str, ok: bool, detail: str) -> None:
 
 
 def run_check(name: str, fn) -> None:
+    if not wanted(name):
+        return
     try:
         ok, detail = fn()
     except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the suite
@@ -347,6 +360,8 @@ def record_time(group, impl, ms, flops=None, nbytes=None, base_ms=None, note="")
 
 
 def timed(timer, group, impl, fn, **kw):
+    if not wanted(f"{group} | {impl}"):
+        return None
     try:
         ms = timer(fn)
     except Exception as e:  # noqa: BLE001
@@ -450,7 +465,8 @@ def run_section(args, section: str, backend: str, budget_s: int) -> None:
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     cmd = [sys.executable, os.path.abspath(__file__), "--section", section, "--backends", backend,
-           "--json", path, "--device", args.device] + (["--quick"] if args.quick else [])
+           "--json", path, "--device", args.device] + (["--quick"] if args.quick else []) + \
+        (["--only", args.only] if args.only else [])
     log(f"--- section {section} [{backend}] ---")
     try:
         rc = subprocess.run(cmd, cwd=ROOT, timeout=budget_s).returncode
@@ -510,10 +526,13 @@ def main():
     ap.add_argument("--skip-timings", action="store_true")
     ap.add_argument("--backends", default="cpp,triton")
     ap.add_argument("--device", default="cuda", help="cpu: dry-run the checks on the CPU kernels (no timings)")
+    ap.add_argument("--only", default="", help="comma list of substrings: run only the checks and timings "
+                    "whose names contain one (e.g. 'topk_indices,topk fp32' or 'indexer')")
     ap.add_argument("--section", choices=["checks", "timings"], help=argparse.SUPPRESS)
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "gpu_suite.json") if os.environ.get("OUT") else None)
     args = ap.parse_args()
     cpu = args.device == "cpu"
+    ONLY.extend(o for o in args.only.split(",") if o)
     backends = [b for b in args.backends.split(",") if b]
 
     if args.section:  # child: one section, results to --json
