@@ -1,0 +1,574 @@
+#!/usr/bin/env python3
+"""One prepared GPU check-and-time run for the indexer family (one H200 window).
+
+    python3 bench/gpu_suite.py [--quick] [--skip-build] [--json PATH]
+
+1. Build: if glm5_ops._C is missing or was built without CUDA, builds the
+   extension in place (python setup.py build_ext --inplace, MAX_JOBS = cores,
+   TORCH_CUDA_ARCH_LIST=9.0a); equivalent to
+   `pip install --no-build-isolation --no-deps -e .` for this purpose.
+2. Checks, for each op and each GPU backend ("cpp" = csrc/cuda via
+   torch.ops.glm5, "triton" = glm5_ops/triton/indexer.py), against
+   glm5_ops.reference on fresh random inputs: value-multiset equality for the
+   top-k ops, relative error for the scores; fp32/bf16/fp16 and odd shapes.
+   Each check is its own try/except: one failure never stops the suite.
+3. Timing with CUDA events after an L2 flush (DeepGEMM style: zero a 256 MB
+   buffer before every timed call), median of several calls: top-k vs
+   torch.topk; indexer_scores / indexer_topk vs the unfused chain
+   (einsum -> relu -> weighted head sum -> causal mask -> torch.topk).
+Prints progress as it goes and a markdown table last; writes all results as
+JSON to --json (default $OUT/gpu_suite.json when $OUT is set). < 8 minutes.
+Each (section, backend) runs in its own child process: a sticky CUDA error or
+a hang (200 s limit) loses that section only. --only NAME[,NAME] reruns a
+subset by name; --device cpu dry-runs the checks on the CPU kernels.
+
+Device call (from the repo root):
+    PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py 2>&1 | tee $OUT/suite.log
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- build
+
+def cuda_build_present() -> bool:
+    code = "import glm5_ops._C as c, sys; sys.exit(0 if getattr(c, 'WITH_CUDA', 0) else 3)"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True).returncode == 0
+
+
+def ensure_built() -> None:
+    if cuda_build_present():
+        log("glm5_ops._C already has CUDA kernels")
+        return
+    env = dict(os.environ)
+    env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    env.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
+    env["GLM5_BUILD_CUDA"] = "1"
+    if "CUDA_HOME" not in env:
+        for cand in ("/usr/local/cuda", "/usr/local/cuda-13.0"):
+            if os.path.exists(os.path.join(cand, "bin", "nvcc")):
+                env["CUDA_HOME"] = cand
+                break
+    log(f"building glm5_ops._C with CUDA (CUDA_HOME={env.get('CUDA_HOME')}, MAX_JOBS={env['MAX_JOBS']}) ...")
+    t = time.time()
+    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        print(r.stdout[-6000:], r.stderr[-6000:], sep="\n", flush=True)
+        log("build_ext failed; trying pip install --no-build-isolation --no-deps -e .")
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", "."],
+                           cwd=ROOT, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            print(r.stdout[-6000:], r.stderr[-6000:], sep="\n", flush=True)
+            raise SystemExit("build failed")
+    warn = [ln for ln in (r.stdout + r.stderr).splitlines() if "warning" in ln.lower()]
+    log(f"built in {time.time() - t:.0f}s ({len(warn)} warning lines)")
+    for ln in warn[:10]:
+        print("   ", ln[:300])
+
+
+# --------------------------------------------------------------------------- checks
+
+RESULTS: dict = {"checks": [], "timings": []}
+ONLY: list = []  # --only: run just the checks / timings whose name contains one of these
+
+
+def wanted(name: str) -> bool:
+    return not ONLY or any(o in name for o in ONLY)
+
+
+def record_check(name: str, ok: bool, detail: str) -> None:
+    RESULTS["checks"].append({"name": name, "ok": ok, "detail": detail})
+    log(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
+
+
+def run_check(name: str, fn) -> None:
+    if not wanted(name):
+        return
+    try:
+        ok, detail = fn()
+    except Exception as e:  # noqa: BLE001 - every failure is reported, none stops the suite
+        ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        if not isinstance(e, (NotImplementedError, ImportError, ModuleNotFoundError)):
+            traceback.print_exc(limit=3)
+    record_check(name, ok, detail)
+
+
+def topk_ok(torch, scores, idx, k, sorted_):
+    """Exact check: same multiset of values as the reference, -1 padding last."""
+    from glm5_ops import reference
+    ref = reference.topk_indices(scores, k, sorted=True)
+    if idx.dtype != torch.int32 or tuple(idx.shape) != tuple(ref.shape):
+        return False, f"got {idx.dtype} {tuple(idx.shape)}, want int32 {tuple(ref.shape)}"
+    s = scores.float().reshape(-1, scores.shape[-1])
+    i = idx.reshape(-1, k).long()
+    r = ref.reshape(-1, k).long()
+    valid, rvalid = i >= 0, r >= 0
+    if not torch.equal(valid.sum(-1), rvalid.sum(-1)):
+        bad = (valid.sum(-1) != rvalid.sum(-1)).nonzero()[:3].flatten().tolist()
+        return False, f"number of selected entries differs (rows {bad})"
+    n = valid.sum(-1, keepdim=True)
+    pos = torch.arange(k, device=i.device)[None, :]
+    if not torch.equal(valid, pos < n):
+        return False, "-1 slots are not last"
+    if (i >= s.shape[-1]).any():
+        return False, "index out of range"
+    # uniqueness: sort indices per row, neighbours must differ among the valid ones
+    si = torch.where(valid, i, torch.full_like(i, -1 - s.shape[-1])).sort(-1).values
+    dup = (si[:, 1:] == si[:, :-1]) & (si[:, 1:] >= 0)
+    if dup.any():
+        return False, "duplicate indices"
+    v = torch.where(valid, s.gather(-1, i.clamp_min(0)), torch.full_like(s[:, :k], -math.inf))
+    rv = torch.where(rvalid, s.gather(-1, r.clamp_min(0)), torch.full_like(s[:, :k], -math.inf))
+    if torch.isnan(v).any():
+        return False, "a NaN was selected"
+    vs = v.sort(-1, descending=True).values
+    if not torch.equal(vs, rv):
+        row = (vs != rv).any(-1).nonzero()[0].item()
+        return False, f"selected values differ from the reference (row {row})"
+    if sorted_ and not torch.equal(v, vs):
+        return False, "sorted=True but slots are not in descending order"
+    return True, f"{tuple(scores.shape)} k={k}"
+
+
+def scores_ok(torch, out, ref, tol):
+    if out.dtype != torch.float32 or out.shape != ref.shape:
+        return False, f"got {out.dtype} {tuple(out.shape)}, want float32 {tuple(ref.shape)}"
+    ninf, rninf = torch.isneginf(out), torch.isneginf(ref)
+    if not torch.equal(ninf, rninf):
+        return False, f"-inf pattern differs ({(ninf != rninf).sum().item()} entries)"
+    fin = ~rninf
+    if torch.isnan(out[fin]).any() or torch.isinf(out[fin]).any():
+        return False, "non-finite values where the reference is finite"
+    a, b = out[fin].double(), ref[fin].double()
+    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item() if b.numel() else 0.0
+    return err <= tol, f"rel err {err:.2e} (tol {tol:.0e})"
+
+
+def indexer_topk_ok(torch, idx, q, w, k, topk, causal, q_start):
+    """Values at the chosen indices (on the reference scores) match the reference's
+    top-k values up to rounding; same number of -1 slots, last."""
+    from glm5_ops import reference
+    ref_s = reference.indexer_scores(q, w, k, causal=causal, q_start=q_start)
+    ref = reference.topk_indices(ref_s, topk, sorted=True)
+    if idx.dtype != torch.int32 or tuple(idx.shape) != tuple(ref.shape):
+        return False, f"got {idx.dtype} {tuple(idx.shape)}, want int32 {tuple(ref.shape)}"
+    T = ref_s.shape[-1]
+    s = ref_s.reshape(-1, T)
+    i = idx.reshape(-1, topk).long()
+    r = ref.reshape(-1, topk).long()
+    valid, rvalid = i >= 0, r >= 0
+    if not torch.equal(valid.sum(-1), rvalid.sum(-1)):
+        return False, "number of selected entries differs"
+    pos = torch.arange(topk, device=i.device)[None, :]
+    if not torch.equal(valid, pos < valid.sum(-1, keepdim=True)):
+        return False, "-1 slots are not last"
+    si = torch.where(valid, i, torch.full_like(i, -1 - T)).sort(-1).values
+    if ((si[:, 1:] == si[:, :-1]) & (si[:, 1:] >= 0)).any():
+        return False, "duplicate indices"
+    v = s.gather(-1, i.clamp(0, T - 1))
+    if (torch.isneginf(v) & valid).any():
+        return False, "a masked (-inf) key was selected"
+    # -1 slots are last in both and equally many per row: sort the chosen values
+    # with the padding at the end and compare the valid prefix only
+    v = torch.where(valid, v, torch.full_like(v, -math.inf)).sort(-1, descending=True).values
+    rv = s.gather(-1, r.clamp_min(0))
+    zero = torch.zeros_like(v)
+    vs = torch.where(rvalid, v, zero)
+    rv = torch.where(rvalid, rv, zero)
+    scale = s[torch.isfinite(s)].abs().max().item() if torch.isfinite(s).any() else 1.0
+    diff = (vs - rv).abs().max().item()
+    tol = 2e-3 * scale
+    return diff <= tol, f"{tuple(q.shape)} T={T} topk={topk}: max |value diff| {diff:.2e} (tol {tol:.1e})"
+
+
+def checks(torch, glm5_ops, backends, quick, dev="cuda"):
+    g = torch.Generator(device=dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    g.manual_seed(int(time.time()) & 0xFFFF)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=dev, generator=g).to(dtype)
+
+    # ---- topk_indices cases: (name, builder, k, sorted)
+    def plain(rows, T, dtype):
+        return lambda: randn(rows, T, dtype=dtype)
+
+    def specials(rows, T):
+        def build():
+            x = randn(rows, T)
+            m = torch.rand(rows, T, device=dev, generator=g)
+            x[m < 0.05] = float("nan")
+            x[(m >= 0.05) & (m < 0.10)] = -math.inf
+            x[(m >= 0.10) & (m < 0.11)] = math.inf
+            return x
+        return build
+
+    def mostly_masked(rows, T, keep):
+        def build():
+            x = torch.full((rows, T), -math.inf, device=dev)
+            x[:, :keep] = randn(rows, keep)
+            x[0, :] = float("nan")  # a row with nothing selectable
+            return x
+        return build
+
+    def ties(rows, T, levels):
+        return lambda: torch.randint(0, levels, (rows, T), device=dev, generator=g).float()
+
+    def one_bin(rows, T):  # > 4096 entries in one coarse (fp16) bin: the global-memory refine path
+        return lambda: 1.0 + randn(rows, T) * 1e-4
+
+    cases = [
+        ("fp32 [1,131072] k=2048", plain(1, 131072, torch.float32), 2048, False),
+        ("fp32 [64,32768] k=2048", plain(64, 32768, torch.float32), 2048, False),
+        ("bf16 [8,32768] k=2048 sorted", plain(8, 32768, torch.bfloat16), 2048, True),
+        ("fp16 [4,10000] k=300 sorted", plain(4, 10000, torch.float16), 300, True),
+        ("fp32 [3,1000] k=17", plain(3, 1000, torch.float32), 17, False),
+        ("fp32 [2,3,777] k=777 (k=T)", lambda: randn(2, 3, 777), 777, True),
+        ("fp32 [5,1] k=1", plain(5, 1, torch.float32), 1, False),
+        ("fp32 [4,4099] odd T k=1000", plain(4, 4099, torch.float32), 1000, False),
+        ("fp32 NaN/-inf/+inf [16,20000] k=2048", specials(16, 20000), 2048, True),
+        ("fp32 mostly -inf [4,9000] k=512 (-1 fill)", mostly_masked(4, 9000, 300), 512, True),
+        ("fp32 heavy ties [8,50000] k=2048", ties(8, 50000, 7), 2048, False),
+        ("fp32 one fp16 bin [2,300000] k=1000 (overflow path)", one_bin(2, 300000), 1000, True),
+        ("fp32 [2,70000] k=5000 sorted (host sort path)", plain(2, 70000, torch.float32), 5000, True),
+        ("bf16 heavy ties [4,16384] k=4096 sorted", lambda: randn(4, 16384).round().to(torch.bfloat16), 4096, True),
+    ]
+    if quick:
+        cases = cases[:2] + cases[8:12]
+    for backend in backends:
+        for name, build, k, srt in cases:
+            def one(build=build, k=k, srt=srt, backend=backend):
+                x = build()
+                with glm5_ops.use_backend(backend):
+                    idx = glm5_ops.topk_indices(x, k, sorted=srt)
+                sync()
+                return topk_ok(torch, x, idx, k, srt)
+            run_check(f"topk_indices/{backend}: {name}", one)
+
+    # ---- indexer_scores / indexer_topk cases: (B, S, H, D, T, causal, q_start, topk)
+    icases = [
+        (2, 37, 32, 128, 300, True, None, 64),
+        (1, 5, 3, 20, 77, True, None, 10),             # odd H and D (D % 8 != 0)
+        (1, 3, 160, 64, 129, True, None, 16),          # H > 128: several M tiles
+        (1, 4, 8, 576, 200, False, None, 50),          # D = 576, not causal
+        (2, 33, 8, 40, 513, True, "tensor", 100),      # q_start per batch element; short horizons -> -1
+        (1, 64, 32, 128, 2048, True, None, 2048),      # topk = T for the last queries
+        (3, 17, 64, 128, 1000, True, "int", 128),
+    ]
+    if quick:
+        icases = icases[:3] + icases[4:5]
+    dtypes = [torch.float32, torch.bfloat16] + ([] if quick else [torch.float16])
+    for backend in backends:
+        for dtype in dtypes:
+            for (B, S, H, D, T, causal, qsk, topk) in icases:
+                tag = f"{str(dtype).replace('torch.', '')} B={B} S={S} H={H} D={D} T={T} causal={causal} q_start={qsk}"
+
+                def make(B=B, S=S, H=H, D=D, T=T, qsk=qsk, dtype=dtype):
+                    q = randn(B, S, H, D, dtype=dtype) * D ** -0.5
+                    w = randn(B, S, H) * H ** -0.5
+                    k = randn(B, T, D, dtype=dtype)
+                    qs = None
+                    if qsk == "tensor":
+                        qs = torch.tensor([0, T - S - 20][:B] + [T - S] * max(0, B - 2), device=dev)
+                    elif qsk == "int":
+                        qs = T // 2
+                    return q, w, k, qs
+
+                def one_scores(make=make, causal=causal, backend=backend, dtype=dtype):
+                    from glm5_ops import reference
+                    q, w, k, qs = make()
+                    with glm5_ops.use_backend(backend):
+                        out = glm5_ops.indexer_scores(q, w, k, causal=causal, q_start=qs)
+                    sync()
+                    ref = reference.indexer_scores(q, w, k, causal=causal, q_start=qs)
+                    return scores_ok(torch, out, ref, 2e-3 if dtype == torch.float32 else 1e-2)
+
+                def one_topk(make=make, causal=causal, topk=topk, backend=backend):
+                    q, w, k, qs = make()
+                    with glm5_ops.use_backend(backend):
+                        idx = glm5_ops.indexer_topk(q, w, k, topk, causal=causal, q_start=qs)
+                    sync()
+                    return indexer_topk_ok(torch, idx, q, w, k, topk, causal, qs)
+
+                run_check(f"indexer_scores/{backend}: {tag}", one_scores)
+                run_check(f"indexer_topk/{backend}: {tag} topk={topk}", one_topk)
+
+
+# --------------------------------------------------------------------------- timing
+
+class Timer:
+    def __init__(self, torch):
+        self.torch = torch
+        self.flush_buf = torch.empty(int(256e6 // 4), dtype=torch.int32, device="cuda")
+
+    def __call__(self, fn, reps=None, budget_s=1.0):
+        """Median ms of fn() over reps calls, each after an L2 flush."""
+        torch = self.torch
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        t = time.time()
+        fn()
+        torch.cuda.synchronize()
+        one = max(time.time() - t, 1e-5)
+        if reps is None:
+            reps = int(min(50, max(3, budget_s / one)))
+        times = []
+        for _ in range(reps):
+            self.flush_buf.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        times.sort()
+        return times[len(times) // 2]
+
+
+def record_time(group, impl, ms, flops=None, nbytes=None, base_ms=None, note=""):
+    row = {"group": group, "impl": impl, "ms": ms,
+           "tflops": (flops / ms / 1e9) if (flops and ms) else None,
+           "gbs": (nbytes / ms / 1e6) if (nbytes and ms) else None,
+           "speedup": (base_ms / ms) if (base_ms and ms) else None, "note": note}
+    RESULTS["timings"].append(row)
+    extra = []
+    if row["tflops"]:
+        extra.append(f"{row['tflops']:.1f} TFLOP/s")
+    if row["gbs"]:
+        extra.append(f"{row['gbs']:.0f} GB/s")
+    if row["speedup"]:
+        extra.append(f"x{row['speedup']:.2f} vs baseline")
+    log(f"TIME {group} | {impl}: {ms:.4f} ms " + " ".join(extra) + (f" ({note})" if note else ""))
+
+
+def timed(timer, group, impl, fn, **kw):
+    if not wanted(f"{group} | {impl}"):
+        return None
+    try:
+        ms = timer(fn)
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        RESULTS["timings"].append({"group": group, "impl": impl, "ms": None, "note": msg})
+        log(f"TIME {group} | {impl}: failed ({msg})")
+        return None
+    record_time(group, impl, ms, **kw)
+    return ms
+
+
+def unfused_chain(torch, q, w, k, topk, causal):
+    """einsum -> relu -> weighted head sum -> causal mask -> torch.topk (the way
+    a plain PyTorch implementation does it, materialising [B,S,H,T])."""
+    logits = torch.einsum("bshd,btd->bsht", q, k)
+    logits.relu_()
+    scores = torch.einsum("bsht,bsh->bst", logits, w.to(logits.dtype)).float()
+    del logits
+    if causal:
+        B, S, T = scores.shape
+        pos = (T - S) + torch.arange(S, device=q.device)
+        scores.masked_fill_(torch.arange(T, device=q.device)[None, None, :] > pos[None, :, None], -math.inf)
+    return torch.topk(scores, topk, dim=-1, sorted=False).indices
+
+
+def timings(torch, glm5_ops, backends, quick):
+    timer = Timer(torch)
+    dev = "cuda"
+
+    for rows, T, k in ([(1, 131072, 2048), (64, 32768, 2048)] + ([] if quick else [(128, 8192, 2048), (8, 262144, 2048)])):
+        x = torch.randn(rows, T, device=dev)
+        group = f"topk fp32 [{rows},{T}] k={k}"
+        nbytes = rows * T * 4
+        base = timed(timer, group, "torch.topk(sorted=False)", lambda: torch.topk(x, k, dim=-1, sorted=False),
+                     nbytes=nbytes)
+        for be in backends:
+            def f(be=be):
+                with glm5_ops.use_backend(be):
+                    return glm5_ops.topk_indices(x, k)
+            timed(timer, group, be, f, nbytes=nbytes, base_ms=base)
+        if not quick:
+            def fs(be="cpp"):
+                with glm5_ops.use_backend(be):
+                    return glm5_ops.topk_indices(x, k, sorted=True)
+            timed(timer, group, "cpp sorted=True", fs, nbytes=nbytes, base_ms=base)
+
+    shapes = [(1, 1024, 16384, 32, 128, 2048)]
+    if not quick:
+        shapes += [(1, 4096, 65536, 32, 128, 2048), (8, 1, 65536, 32, 128, 2048)]
+    for (B, S, T, H, D, topk) in shapes:
+        q = (torch.randn(B, S, H, D, device=dev) * D ** -0.5).bfloat16()
+        w = torch.randn(B, S, H, device=dev) * H ** -0.5
+        k = torch.randn(B, T, D, device=dev).bfloat16()
+        flops = 2.0 * B * S * T * H * D
+        group = f"indexer bf16 B={B} S={S} T={T} H={H} D={D} topk={topk} causal"
+        nbytes = (q.numel() + k.numel()) * 2 + w.numel() * 4 + B * S * topk * 4
+        big = B * S * H * T * 2 > 40e9
+        base = None
+        if not big:
+            base = timed(timer, group, "unfused chain (torch)", lambda: unfused_chain(torch, q, w, k, topk, True),
+                         flops=flops)
+        for be in backends:
+            def f(be=be):
+                with glm5_ops.use_backend(be):
+                    return glm5_ops.indexer_topk(q, w, k, topk)
+            timed(timer, group, f"{be} indexer_topk", f, flops=flops, nbytes=nbytes, base_ms=base)
+            if B * S * T * 4 <= 2e9:
+                def g(be=be):
+                    with glm5_ops.use_backend(be):
+                        return glm5_ops.indexer_scores(q, w, k)
+                timed(timer, group, f"{be} indexer_scores", g, flops=flops, nbytes=nbytes + B * S * T * 4)
+        # one correctness check at the benchmark size (exercises the workspace groups)
+        if not quick or S * T <= 2 ** 24:
+            for be in backends:
+                def chk(be=be):
+                    with glm5_ops.use_backend(be):
+                        idx = glm5_ops.indexer_topk(q, w, k, topk)
+                    torch.cuda.synchronize()
+                    return indexer_topk_ok(torch, idx, q, w, k, topk, True, None)
+                run_check(f"indexer_topk/{be}: bench shape B={B} S={S} T={T}", chk)
+                if B * S * T * 4 <= 2e9:
+                    def det(be=be):  # no atomics in the scores path: two runs must agree bit for bit
+                        with glm5_ops.use_backend(be):
+                            a = glm5_ops.indexer_scores(q, w, k)
+                            b = glm5_ops.indexer_scores(q, w, k)
+                        torch.cuda.synchronize()
+                        same = torch.equal(a, b)
+                        return same, "two runs bit-identical" if same else \
+                            f"runs differ in {(a != b).sum().item()} entries (race?)"
+                    run_check(f"indexer_scores/{be}: repeatable at B={B} S={S} T={T}", det)
+        del q, w, k
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- main
+
+def run_section(args, section: str, backend: str, budget_s: int) -> None:
+    """Runs one section in a child process, so that a sticky CUDA error (an
+    illegal address, say) or a hang costs that section only."""
+    import tempfile
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), "--section", section, "--backends", backend,
+           "--json", path, "--device", args.device] + (["--quick"] if args.quick else []) + \
+        (["--only", args.only] if args.only else [])
+    log(f"--- section {section} [{backend}] ---")
+    try:
+        rc = subprocess.run(cmd, cwd=ROOT, timeout=budget_s).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    try:
+        with open(path) as f:
+            part = json.load(f)
+        RESULTS["checks"] += part["checks"]
+        RESULTS["timings"] += part["timings"]
+        RESULTS.setdefault("meta", part.get("meta"))
+    except Exception:  # noqa: BLE001 - the child died before writing
+        pass
+    if rc != 0:
+        record_check(f"section {section}/{backend}", False, f"child process ended with {rc} (crash, sticky CUDA error "
+                     "or timeout): results after its last line above are missing")
+    os.unlink(path)
+
+
+def summary() -> None:
+    fails = [c for c in RESULTS["checks"] if not c["ok"]]
+    print("\n## GPU suite summary\n")
+    print(f"checks: {len(RESULTS['checks']) - len(fails)}/{len(RESULTS['checks'])} passed; "
+          f"total {time.time() - T0:.0f}s")
+    by_backend = {}
+    for c in RESULTS["checks"]:
+        be = c["name"].split(":")[0].split("/")[-1]
+        by_backend.setdefault(be, [0, 0])
+        by_backend[be][0] += c["ok"]
+        by_backend[be][1] += 1
+    for be, (p, n) in by_backend.items():
+        print(f"- {be}: {p}/{n}")
+    by_detail = {}  # one line per distinct failure (a missing backend fails every check the same way)
+    for c in fails:
+        by_detail.setdefault(c["detail"][:160], []).append(c["name"])
+    for detail, names in list(by_detail.items())[:25]:
+        more = f" (+{len(names) - 1} more like it)" if len(names) > 1 else ""
+        print(f"- FAIL {names[0]}: {detail}{more}")
+    print("\n| case | impl | ms | TFLOP/s | GB/s | vs baseline |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    seen = set()
+    for r in RESULTS["timings"]:
+        if (r["group"], r["impl"]) in seen:  # baselines are timed once per backend section
+            continue
+        seen.add((r["group"], r["impl"]))
+        fmt = lambda v, f: (f % v) if v is not None else "-"  # noqa: E731
+        ms = fmt(r.get("ms"), "%.4f") if r.get("ms") is not None else ("fail: " + r.get("note", ""))[:60]
+        print(f"| {r['group']} | {r['impl']} | {ms} | {fmt(r.get('tflops'), '%.1f')} | {fmt(r.get('gbs'), '%.0f')} | "
+              f"{fmt(r.get('speedup'), 'x%.2f')} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer checks and shapes (~2 minutes)")
+    ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--skip-timings", action="store_true")
+    ap.add_argument("--backends", default="cpp,triton")
+    ap.add_argument("--device", default="cuda", help="cpu: dry-run the checks on the CPU kernels (no timings)")
+    ap.add_argument("--only", default="", help="comma list of substrings: run only the checks and timings "
+                    "whose names contain one (e.g. 'topk_indices,topk fp32' or 'indexer')")
+    ap.add_argument("--section", choices=["checks", "timings"], help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "gpu_suite.json") if os.environ.get("OUT") else None)
+    args = ap.parse_args()
+    cpu = args.device == "cpu"
+    ONLY.extend(o for o in args.only.split(",") if o)
+    backends = [b for b in args.backends.split(",") if b]
+
+    if args.section:  # child: one section, results to --json
+        import torch
+        import glm5_ops
+        name = "cpu" if cpu else torch.cuda.get_device_name()
+        RESULTS["meta"] = {"torch": torch.__version__, "device": name, "quick": args.quick}
+        try:
+            if args.section == "checks":
+                checks(torch, glm5_ops, backends, args.quick, dev=args.device)
+            else:
+                timings(torch, glm5_ops, backends, args.quick)
+        finally:
+            with open(args.json, "w") as f:
+                json.dump(RESULTS, f)
+        return
+
+    if not args.skip_build and not cpu:
+        ensure_built()
+    import torch
+    import glm5_ops
+    name = "cpu" if cpu else torch.cuda.get_device_name()
+    log(f"torch {torch.__version__} cuda {torch.version.cuda}; device {name}; "
+        f"glm5_ops._C WITH_CUDA={getattr(glm5_ops._backend._C, 'WITH_CUDA', None)}")
+    del torch, glm5_ops
+    for be in backends:
+        if not args.skip_checks:
+            run_section(args, "checks", be, budget_s=150 if args.quick else 200)
+    for be in backends:
+        if not args.skip_timings and not cpu:
+            run_section(args, "timings", be, budget_s=150 if args.quick else 200)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    summary()
+
+
+if __name__ == "__main__":
+    main()
