@@ -17,7 +17,8 @@ import shutil
 # torch decides CUDA_HOME when cpp_extension is imported, so point it at the
 # toolkit first (a CPU machine has no CUDA runtime for torch to find it by).
 if not os.environ.get("CUDA_HOME"):
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    # /usr/local/cuda first: the nvcc on PATH may be a wrapper script outside the toolkit.
+    nvcc = "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else shutil.which("nvcc")
     if nvcc:
         os.environ["CUDA_HOME"] = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
