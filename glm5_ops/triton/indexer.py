@@ -161,13 +161,40 @@ def _radix_key(x):
 
 
 @triton.jit
-def _topk_kernel(
-    x_ptr, out_ptr, N, K,
-    qs_ptr, S, s0, NS, b0,   # causal row lengths (indexer_topk): row r is query (b0 + r // NS, s0 + r % NS)
-    LIMIT: tl.constexpr, HAS_QS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Indices of the K largest of x[row, :N] into out[row, :K] (unordered),
-    -1 after the real ones when fewer than K are selectable.
+def _select_resident(keys, pos, K, out_row, BLOCK: tl.constexpr):
+    """Top-K of a candidate set held in registers: keys [CAP] uint32 (0 = not
+    selectable, also the padding), pos [CAP] int32 their row positions.
+    Writes out_row[:K] (unordered, -1 after the real ones).
+
+    Bitwise binary search for the K-th largest key tau (largest t with
+    count(keys >= t) >= K), each step one compare + block reduction over
+    registers; then keys > tau and enough keys == tau get slots from a cumsum."""
+    n_valid = tl.sum((keys > 0).to(tl.int32), axis=0)
+    tau = tl.full((), 0, tl.uint32)
+    for i in tl.static_range(32):
+        cand = tau | (tl.full((), 1, tl.uint32) << (31 - i))
+        c = tl.sum((keys >= cand).to(tl.int32), axis=0)
+        tau = tl.where(c >= K, cand, tau)
+    few = n_valid <= K      # at most K selectable keys: take them all, pad with -1
+    hi = (keys > tau) | (few & (keys > 0))
+    eq = (keys == tau) & (tau > 0) & (n_valid > K)
+    hi_i = hi.to(tl.int32)
+    eq_i = eq.to(tl.int32)
+    n_hi = tl.sum(hi_i, axis=0)
+    slot = tl.where(hi, tl.cumsum(hi_i, axis=0) - 1, n_hi + tl.cumsum(eq_i, axis=0) - 1)
+    tl.store(out_row + slot, pos, mask=hi | (eq & (slot < K)))
+    filled = tl.minimum(n_hi + tl.sum(eq_i, axis=0), K)
+    ar = tl.arange(0, BLOCK)
+    for c0 in range(0, K, BLOCK):
+        offs = c0 + ar
+        tl.store(out_row + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= filled) & (offs < K))
+
+
+@triton.jit
+def _select_streaming(x_row, n, K, out_row, BLOCK: tl.constexpr):
+    """Top-K of x_row[:n] re-reading the row from memory: the fallback for
+    rows whose candidates do not fit the register set (heavy ties at the
+    K-th value, K > CAP, or an unlucky sample). Writes out_row[:K].
 
     Radix select, 4 bits per pass from the top: pass p counts, for the 16
     candidates c_j = L + j << sh, how many keys are >= c_j (a [BLOCK, 16]
@@ -175,20 +202,6 @@ def _topk_kernel(
     reaching K. After the passes [L, L + size) holds the K-th largest key;
     `above` keys lie above it and are all taken, the rest of the K slots come
     from [L, L + size). Stops early when the range is taken whole."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * N
-    out_row = out_ptr + row * K
-    n = row * 0 + N   # int64 (an int arg equal to 1 arrives as a constexpr: no .to on it)
-    if LIMIT:
-        # Causal query: keys past its position are -inf; don't even read them.
-        b = b0 + row // NS
-        s = s0 + row % NS
-        if HAS_QS:
-            pos = tl.load(qs_ptr + b) + s
-        else:
-            pos = s + (N - S)
-        n = tl.minimum(tl.maximum(pos + 1, 0), n)
-
     ar = tl.arange(0, BLOCK)
     j = tl.arange(0, 16)
     ju = j.to(tl.uint32)
@@ -258,6 +271,90 @@ def _topk_kernel(
 
 
 @triton.jit
+def _topk_kernel(
+    x_ptr, out_ptr, scratch_ptr, R, N, K,
+    qs_ptr, S, s0, NS, b0,   # causal row lengths (indexer_topk): row r is query (b0 + r // NS, s0 + r % NS)
+    LIMIT: tl.constexpr, HAS_QS: tl.constexpr,
+    CAP: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Indices of the K largest of each row x[r, :N] into out[r, :K]
+    (unordered), -1 after the real ones when fewer than K are selectable.
+    Persistent: program p does rows p, p + G, ... (G programs), reusing its
+    scratch row (CAP keys + CAP positions).
+
+    Most rows touch memory once: rows of <= CAP keys are selected straight
+    from registers. Longer rows first pick a threshold from a strided sample
+    of SAMPLE keys, aiming at ~1.5 K + 16 n / SAMPLE keys above it, then one
+    filter pass compacts the keys at or above it into scratch; when those are
+    between K and CAP, the selection runs on them in registers. Otherwise
+    (heavy ties, K > CAP, a sample far off) the row takes the streaming
+    radix select, which re-reads it ~9 times."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    sc_key = scratch_ptr + pid.to(tl.int64) * (2 * CAP)
+    sc_pos = sc_key + CAP
+    cap_ar = tl.arange(0, CAP)
+    ar = tl.arange(0, BLOCK)
+    for r in range(pid, R, G):
+        row = (pid * 0 + r).to(tl.int64)   # (r is a plain int under the interpreter)
+        x_row = x_ptr + row * N
+        out_row = out_ptr + row * K
+        n = row * 0 + N   # int64 (an int arg equal to 1 arrives as a constexpr: no .to on it)
+        if LIMIT:
+            # Causal query: keys past its position are -inf; don't even read them.
+            b = b0 + row // NS
+            s = s0 + row % NS
+            if HAS_QS:
+                qpos = tl.load(qs_ptr + b) + s
+            else:
+                qpos = s + (N - S)
+            n = tl.minimum(tl.maximum(qpos + 1, 0), n)
+
+        if n <= CAP:
+            # Short row: the whole row is the candidate set.
+            m = cap_ar < n
+            x = tl.load(x_row + cap_ar, mask=m, other=float("-inf")).to(tl.float32)
+            _select_resident(_radix_key(x), cap_ar, K, out_row, BLOCK)
+        else:
+            # Threshold from a strided sample: its r_s-th largest key, r_s
+            # scaled from K with 1.5x + 16 headroom so the filter keeps >= K
+            # keys with overwhelming probability, yet few enough for CAP.
+            sp = tl.arange(0, SAMPLE).to(tl.int64) * n // SAMPLE
+            skey = _radix_key(tl.load(x_row + sp).to(tl.float32))
+            r_s = tl.minimum(((row * 0 + K) * (3 * SAMPLE)) // (2 * n) + 16, SAMPLE).to(tl.int32)
+            t_lo = tl.full((), 0, tl.uint32)
+            for i in tl.static_range(32):
+                cand = t_lo | (tl.full((), 1, tl.uint32) << (31 - i))
+                c = tl.sum((skey >= cand).to(tl.int32), axis=0)
+                t_lo = tl.where(c >= r_s, cand, t_lo)
+            t_lo = tl.maximum(t_lo, 1)   # never admit NaN / -inf (key 0)
+
+            # Filter pass: compact keys >= t_lo (and their positions) into scratch.
+            tl.debug_barrier()   # the previous row's scratch reads are done
+            n_c = tl.full((), 0, tl.int32)
+            for c0 in range(0, n, BLOCK):
+                offs = c0 + ar
+                mk = offs < n
+                key = _radix_key(tl.load(x_row + offs, mask=mk, other=float("-inf")).to(tl.float32))
+                sel = key >= t_lo
+                sel_i = sel.to(tl.int32)
+                slot = n_c + tl.cumsum(sel_i, axis=0) - 1
+                ok = sel & (slot < CAP)
+                tl.store(sc_key + slot, key.to(tl.int32, bitcast=True), mask=ok)
+                tl.store(sc_pos + slot, offs.to(tl.int32), mask=ok)
+                n_c += tl.sum(sel_i, axis=0)
+            tl.debug_barrier()   # scratch writes of all threads visible
+
+            if (n_c >= K) & (n_c <= CAP):
+                mc = cap_ar < n_c
+                ckey = tl.load(sc_key + cap_ar, mask=mc, other=0).to(tl.uint32, bitcast=True)
+                cpos = tl.load(sc_pos + cap_ar, mask=mc, other=-1)
+                _select_resident(ckey, cpos, K, out_row, BLOCK)
+            else:
+                _select_streaming(x_row, n, K, out_row, BLOCK)
+
+
+@triton.jit
 def _sort_selected_kernel(x_ptr, idx_ptr, N, K, K_PAD: tl.constexpr):
     """Orders the K selected indices of a row by score, descending (-1 last).
     Packs (radix key << 32 | index) into uint64 and bitonic-sorts K_PAD of
@@ -277,24 +374,41 @@ def _sort_selected_kernel(x_ptr, idx_ptr, N, K, K_PAD: tl.constexpr):
     tl.store(idx_ptr + row * K + offs, idx_s, mask=m)
 
 
-def _topk_block(n: int) -> int:
-    return max(16, min(1024, _next_pow2(n)))
+# Rows of up to _CAP_MAX keys are selected from registers; longer rows
+# compact their candidates into a scratch row of that size (see _topk_kernel).
+_CAP_MAX = 8192
+_SAMPLE = 4096
 
 
 def _launch_topk(x2d, out2d, k, limit=None):
     """x2d [R, N] -> out2d [R, k]. limit = (q_start|None, S, s0, NS, b0) gives
     each row its causal length (rows are queries of an indexer window)."""
     R, N = x2d.shape
-    BLOCK = _topk_block(N)
+    CAP = max(16, min(_CAP_MAX, _next_pow2(N)))
+    SAMPLE = min(_SAMPLE, CAP)
+    BLOCK = min(1024, CAP)
     if limit is None:
         qs, S, s0, NS, b0 = None, 1, 0, 1, 0
     else:
         qs, S, s0, NS, b0 = limit
-    _topk_kernel[(R,)](
-        x2d, out2d, N, k, qs if qs is not None else out2d, S, s0, NS, b0,
-        LIMIT=limit is not None, HAS_QS=qs is not None, BLOCK=BLOCK,
-        num_warps=8 if BLOCK >= 1024 else 4,
+    # Persistent grid: enough programs to fill the GPU a few times over, each
+    # with its own scratch row (only needed when rows exceed CAP).
+    if x2d.is_cuda:
+        G = min(R, 4 * torch.cuda.get_device_properties(x2d.device).multi_processor_count)
+    else:
+        G = min(R, 8)
+    if N > CAP:
+        scratch = torch.empty((G, 2 * CAP), dtype=torch.int32, device=x2d.device)
+    else:
+        scratch = out2d   # never touched
+    _topk_kernel[(G,)](
+        x2d, out2d, scratch, R, N, k, qs if qs is not None else out2d, S, s0, NS, b0,
+        LIMIT=limit is not None, HAS_QS=qs is not None, CAP=CAP, SAMPLE=SAMPLE, BLOCK=BLOCK,
+        num_warps=16 if CAP >= 8192 else (8 if CAP >= 2048 else 4),
     )
+
+
+_SORT_MAX = 4096   # largest k sorted by _sort_selected_kernel
 
 
 def _launch_sort(x2d, out2d, k):
@@ -319,7 +433,16 @@ def topk_indices(scores, k: int, sorted: bool):
     out2d = out.view(-1, k)
     _launch_topk(x2d, out2d, k)
     if sorted and k > 1:
-        _launch_sort(x2d, out2d, k)
+        if k <= _SORT_MAX:
+            _launch_sort(x2d, out2d, k)
+        else:
+            # Beyond one program's register budget for a bitonic sort (k is
+            # up to 2048 in DSA): order the chosen slots with torch instead.
+            sel = out2d.long()
+            vals = torch.gather(x2d, 1, sel.clamp(min=0)).float()
+            vals = vals.masked_fill(sel < 0, float("-inf"))
+            order = torch.sort(vals, dim=1, descending=True, stable=True).indices
+            out2d.copy_(torch.gather(out2d, 1, order))
     return out
 
 
