@@ -12,8 +12,20 @@ glm5_ops/reference.py. Works on CUDA tensors, and on CPU tensors under
 TRITON_INTERPRET=1 (fp32/fp16 there: the interpreter has no bf16 math).
 
 Only long-stable Triton features are used (tl.dot, masked tl.load/tl.store,
-tl.sum/tl.max/tl.cumsum/tl.where, tl.sort), so the kernels build with
-Triton 3.x from 3.0 on.
+tl.sum/tl.max/tl.cumsum/tl.where, tl.sort, tl.debug_barrier), no shared-
+memory or histogram intrinsics, meant for Triton 3.x (checked: interpreter
+and an sm_90 compile with Triton 3.8).
+
+Kernels:
+  _indexer_scores_kernel  one program per (batch, 16 queries, key block):
+                          per query an [H, BLOCK_T] tl.dot against the key
+                          tile, relu and head weights in registers, head sum;
+                          causally dead key blocks skip the GEMM.
+  _topk_kernel            persistent, one row at a time: radix select on
+                          order-preserving uint32 keys, from registers for
+                          rows <= 8192, else sample -> one filter pass ->
+                          registers, with a multi-pass streaming fallback.
+  _sort_selected_kernel   sorted=True: bitonic sort of the chosen k (<= 4096).
 """
 from __future__ import annotations
 
@@ -284,7 +296,7 @@ def _topk_kernel(
 
     Most rows touch memory once: rows of <= CAP keys are selected straight
     from registers. Longer rows first pick a threshold from a strided sample
-    of SAMPLE keys, aiming at ~1.5 K + 16 n / SAMPLE keys above it, then one
+    of SAMPLE keys (2048), aiming at ~1.5 K + 16 n / SAMPLE keys above it, then one
     filter pass compacts the keys at or above it into scratch; when those are
     between K and CAP, the selection runs on them in registers. Otherwise
     (heavy ties, K > CAP, a sample far off) the row takes the streaming
@@ -377,7 +389,7 @@ def _sort_selected_kernel(x_ptr, idx_ptr, N, K, K_PAD: tl.constexpr):
 # Rows of up to _CAP_MAX keys are selected from registers; longer rows
 # compact their candidates into a scratch row of that size (see _topk_kernel).
 _CAP_MAX = 8192
-_SAMPLE = 4096
+_SAMPLE = 2048
 
 
 def _launch_topk(x2d, out2d, k, limit=None):
@@ -460,7 +472,8 @@ def indexer_topk(q, w, k, topk: int, causal: bool, q_start):
     (64M fp32 = 256 MiB, or one row when T alone is larger); the scores
     kernel fills it and the top-k kernel selects from it, both on the same
     stream, so the workspace is reused window after window. Memory:
-    O(B*S*topk) output + that workspace. With causal=True the key blocks
+    O(B*S*topk) output + that workspace + the top-k kernel's scratch
+    (4 * #SMs rows of 64 KiB, ~33 MiB on an H200). With causal=True the key blocks
     in the future of a whole query block are neither computed nor stored,
     and each top-k row reads only its visible prefix."""
     B, S, H, D = q.shape
