@@ -67,7 +67,7 @@ def _indexer_scores_kernel(
     n_here = tl.minimum(BLOCK_S, NS - s_lo)   # queries in this block
     out_blk = out_ptr + (pid_b.to(tl.int64) * NS + s_lo) * T
 
-    # Absolute position of window query 0; the block's last query sees keys <= last_pos.
+    # Absolute position of window query 0 (query s0 of batch element b).
     if HAS_QS:
         start = tl.load(qs_ptr + b) + s0
     else:
@@ -125,21 +125,26 @@ def _scores_config(D: int, H: int, dtype: torch.dtype):
     return H_PAD, D_PAD, BLOCK_T, num_warps
 
 
+_MAX_GRID_YZ = 65535
+
+
 def _launch_scores(q, w, k, q_start, causal, out, b0, nb, s0, ns, store_dead=True):
     """Scores of batch elements b0..b0+nb-1, queries s0..s0+ns-1 into out [nb, ns, T]."""
     B, S, H, D = q.shape
     T = k.shape[1]
     H_PAD, D_PAD, BLOCK_T, num_warps = _scores_config(D, H, q.dtype)
     BLOCK_S = 16   # queries per program: each key tile is reused this many times
-    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(ns, BLOCK_S), nb)
-    _indexer_scores_kernel[grid](
-        q, w, k, q_start if q_start is not None else out, out,
-        S, T, H, D, b0, s0, ns,
-        CAUSAL=bool(causal), HAS_QS=q_start is not None, STORE_DEAD=store_dead,
-        IEEE=q.dtype == torch.float32,
-        BLOCK_S=BLOCK_S, BLOCK_T=BLOCK_T, H_PAD=H_PAD, D_PAD=D_PAD,
-        num_warps=num_warps,
-    )
+    for bc in range(0, nb, _MAX_GRID_YZ):   # CUDA grid dims 1 and 2 stop at 65535
+        nbc = min(_MAX_GRID_YZ, nb - bc)
+        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(ns, BLOCK_S), nbc)
+        _indexer_scores_kernel[grid](
+            q, w, k, q_start if q_start is not None else out, out[bc:bc + nbc],
+            S, T, H, D, b0 + bc, s0, ns,
+            CAUSAL=bool(causal), HAS_QS=q_start is not None, STORE_DEAD=store_dead,
+            IEEE=q.dtype == torch.float32,
+            BLOCK_S=BLOCK_S, BLOCK_T=BLOCK_T, H_PAD=H_PAD, D_PAD=D_PAD,
+            num_warps=num_warps,
+        )
 
 
 def indexer_scores(q, w, k, causal: bool, q_start):
@@ -496,7 +501,8 @@ def indexer_topk(q, w, k, topk: int, causal: bool, q_start):
             win = ws[:rows]
             # With causal=True the top-k rows stop at their position, so the
             # dead key blocks need no -inf stores.
-            _launch_scores(q, w, k, q_start, causal, win, b0, nb, s0, ns, store_dead=not causal)
+            _launch_scores(q, w, k, q_start, causal, win.view(nb, ns, T), b0, nb, s0, ns,
+                           store_dead=not causal)
             r0 = b0 * S + s0   # windows are contiguous runs of (b, s) rows
             _launch_topk(win, out2d[r0:r0 + rows], topk,
                          limit=(q_start, S, s0, ns, b0) if causal else None)
