@@ -311,7 +311,10 @@ def _topk_kernel(
     sc_key = scratch_ptr + pid.to(tl.int64) * (2 * CAP)
     sc_pos = sc_key + CAP
     cap_ar = tl.arange(0, CAP)
-    ar = tl.arange(0, BLOCK)
+    # The filter pass streams the row in FBLOCK chunks: several loads in
+    # flight per thread, one cumsum per chunk.
+    FBLOCK: tl.constexpr = 4 * BLOCK if 4 * BLOCK <= CAP else CAP
+    far = tl.arange(0, FBLOCK)
     for r in range(pid, R, G):
         row = (pid * 0 + r).to(tl.int64)   # (r is a plain int under the interpreter)
         x_row = x_ptr + row * N
@@ -349,8 +352,8 @@ def _topk_kernel(
             # Filter pass: compact keys >= t_lo (and their positions) into scratch.
             tl.debug_barrier()   # the previous row's scratch reads are done
             n_c = tl.full((), 0, tl.int32)
-            for c0 in range(0, n, BLOCK):
-                offs = c0 + ar
+            for c0 in range(0, n, FBLOCK):
+                offs = c0 + far
                 mk = offs < n
                 key = _radix_key(tl.load(x_row + offs, mask=mk, other=float("-inf")).to(tl.float32))
                 sel = key >= t_lo
