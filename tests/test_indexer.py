@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import glm5_ops
-from conftest import INTERPRETED, fresh
+from conftest import INTERPRETED, big_ok, fresh
 from glm5_ops import reference
 from topk_checks import assert_valid_topk
 
@@ -60,7 +60,9 @@ def test_scores_match_reference(backend, poisoned, B, S, T, H, D, causal):
 def test_topk_matches_reference(backend, poisoned, B, S, T, H, D, causal):
     for dtype in _dtypes(backend):
         q, w, k = _inputs(B, S, T, H, D, dtype)
-        for topk in sorted({1, max(1, T // 3), T}):
+        # The interpreter is slow: one topk per dtype there, all three elsewhere.
+        topks = sorted({1, max(1, T // 3), T}) if big_ok(backend) else [max(1, T // 3)]
+        for topk in topks:
             for qs in _q_starts(B, S, T):
                 idx = glm5_ops.indexer_topk(q, w, k, topk, causal=causal, q_start=qs)
                 want = reference.indexer_scores(q, w, k, causal=causal, q_start=qs)
