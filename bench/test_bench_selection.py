@@ -62,7 +62,8 @@ def test_indexer_topk(benchmark, impl):
 
 
 PEAK_PROBE = textwrap.dedent("""
-    import json, resource, sys, torch, glm5_ops
+    import json, sys, torch, glm5_ops
+    from glm5_ops.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     sys.path.insert(0, {bench!r})
     from baselines import unfused_indexer_topk
     c = json.loads(sys.argv[1]); impl = sys.argv[2]
@@ -70,12 +71,13 @@ PEAK_PROBE = textwrap.dedent("""
     q = torch.randn(c["B"], c["S"], c["H"], c["D"]); w = torch.randn(c["B"], c["S"], c["H"]).abs()
     k = torch.randn(c["B"], c["T"], c["D"])
     glm5_ops.indexer_topk(q[:, :2], w[:, :2], k[:, :64], 8)  # load everything before measuring
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert reset_peak_rss(), "cannot reset the peak RSS (/proc/self/clear_refs)"
+    before = current_rss_bytes()
     if impl == "fused":
         glm5_ops.indexer_topk(q, w, k, c["topk"])
     else:
         unfused_indexer_topk(q, w, k, c["topk"])
-    print(json.dumps({{"peak_increase_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}}))
+    print(json.dumps({{"peak_increase_mib": (peak_rss_bytes() - before) / 2**20}}))
 """)
 
 

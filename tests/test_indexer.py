@@ -89,7 +89,9 @@ def test_int_q_start_equals_tensor(backend):
 
 
 MEMORY_PROBE = textwrap.dedent("""
-    import resource, sys, time, torch, glm5_ops
+    import sys, time, torch, glm5_ops
+    from glm5_ops.memory import peak_rss_bytes, reset_peak_rss
+    reset_peak_rss()  # the child inherits the parent's high-water mark otherwise
     torch.manual_seed(0)
     S = T = 32768; H, D, topk = 8, 64, 2048
     q = torch.randn(1, S, H, D); w = torch.randn(1, S, H).abs(); k = torch.randn(1, T, D)
@@ -104,7 +106,7 @@ MEMORY_PROBE = textwrap.dedent("""
         ref = torch.topk(sc, n).values
         assert torch.allclose(got, ref, rtol=0, atol=1e-4 * float(ref.abs().max())), s
         assert bool((idx[0, s, n:] == -1).all())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = peak_rss_bytes() / 2**30
     print(f"peak_rss_gib={peak:.3f} seconds={time.perf_counter() - t0:.1f}")
 """)
 
