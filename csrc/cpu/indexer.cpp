@@ -13,7 +13,7 @@
 
 #include <limits>
 
-#include "cpu/checks.h"
+#include "checks.h"
 #include "cpu/radix_select.h"
 
 namespace glm5 {
@@ -52,14 +52,8 @@ struct Fp32Inputs {
 IndexerProblem make_problem(const Fp32Inputs& in, bool causal, const c10::optional<at::Tensor>& q_start) {
   const auto& q = in.q;
   IndexerProblem p{q.size(0), q.size(1), q.size(2), q.size(3), in.k.size(1), causal, {}, nullptr, nullptr, nullptr};
-  TORCH_CHECK(in.w.dim() == 3 && in.w.size(0) == p.B && in.w.size(1) == p.S && in.w.size(2) == p.H,
-              "w must have shape [B,S,H] = [", p.B, ",", p.S, ",", p.H, "], got ", in.w.sizes());
-  TORCH_CHECK(in.k.size(0) == p.B && in.k.size(2) == p.D, "k must have shape [B,T,D] = [", p.B, ",T,", p.D,
-              "], got ", in.k.sizes());
   p.q_start.assign(p.B, p.T - p.S);
   if (q_start.has_value()) {
-    TORCH_CHECK(q_start->dim() == 1 && q_start->size(0) == p.B, "q_start must have shape [B] = [", p.B, "], got ",
-                q_start->sizes());
     const at::Tensor qs = q_start->to(at::kCPU, at::kLong).contiguous();
     std::copy(qs.const_data_ptr<int64_t>(), qs.const_data_ptr<int64_t>() + p.B, p.q_start.begin());
   }
@@ -67,15 +61,6 @@ IndexerProblem make_problem(const Fp32Inputs& in, bool causal, const c10::option
   p.w = in.w.const_data_ptr<float>();
   p.k = in.k.const_data_ptr<float>();
   return p;
-}
-
-void check_inputs(const at::Tensor& q, const at::Tensor& w, const at::Tensor& k) {
-  GLM5_CHECK_RANK(q, 4, "q", "[B,S,H,D]");
-  GLM5_CHECK_RANK(w, 3, "w", "[B,S,H]");
-  GLM5_CHECK_RANK(k, 3, "k", "[B,T,D]");
-  GLM5_CHECK_FLOAT(q, "q");
-  GLM5_CHECK_FLOAT(w, "w");
-  GLM5_CHECK_FLOAT(k, "k");
 }
 
 // Scores of queries [s0, s1) of batch b against keys [t0, t1) into
@@ -176,7 +161,7 @@ std::pair<int64_t, int64_t> split_range(int64_t t_end, int64_t part, int64_t par
 
 at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& k, bool causal,
                           const c10::optional<at::Tensor>& q_start) {
-  check_inputs(q, w, k);
+  check_indexer_args(q, w, k, q_start);
   const Fp32Inputs in(q, w, k);
   const IndexerProblem p = make_problem(in, causal, q_start);
   at::Tensor out = at::empty({p.B, p.S, p.T}, q.options().dtype(at::kFloat));
@@ -205,9 +190,8 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
 
 at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& w, const at::Tensor& k, int64_t topk, bool causal,
                         const c10::optional<at::Tensor>& q_start) {
-  check_inputs(q, w, k);
-  TORCH_CHECK(topk >= 1 && topk <= k.size(1), "topk must be in [1, T=", k.size(1), "], got ", topk);
-  TORCH_CHECK(k.size(1) < (int64_t(1) << 31), "k: T must be < 2^31 for int32 indices, got ", k.size(1));
+  check_indexer_args(q, w, k, q_start);
+  check_topk_count(topk, k.size(1), "topk");
   const Fp32Inputs in(q, w, k);
   const IndexerProblem p = make_problem(in, causal, q_start);
   at::Tensor out = at::empty({p.B, p.S, topk}, q.options().dtype(at::kInt));

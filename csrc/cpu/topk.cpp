@@ -5,22 +5,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "cpu/checks.h"
+#include "checks.h"
 #include "cpu/radix_select.h"
 
 namespace glm5 {
 namespace cpu {
 
 at::Tensor topk_indices(const at::Tensor& scores, int64_t k, bool sorted) {
-  TORCH_CHECK(scores.dim() >= 1, "scores must have shape [..., T], got a 0-d tensor");
-  GLM5_CHECK_FLOAT(scores, "scores");
+  at::Tensor out = topk_output(scores, k);
   const int64_t T = scores.size(-1);
-  TORCH_CHECK(k >= 1 && k <= T, "k must be in [1, T=", T, "], got ", k);
-  TORCH_CHECK(T < (int64_t(1) << 31), "scores: T must be < 2^31 for int32 indices, got ", T);
   const at::Tensor s = scores.contiguous();
-  std::vector<int64_t> out_shape(scores.sizes().begin(), scores.sizes().end());
-  out_shape.back() = k;
-  at::Tensor out = at::empty(out_shape, scores.options().dtype(at::kInt));
   const int64_t rows = s.numel() / std::max<int64_t>(T, 1);
   if (rows == 0) return out;
   int32_t* out_ptr = out.data_ptr<int32_t>();

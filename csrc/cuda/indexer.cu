@@ -46,6 +46,7 @@
 #include <atomic>
 #include <limits>
 
+#include "checks.h"
 #include "cuda/common.cuh"
 #include "cuda/topk.cuh"
 
@@ -282,28 +283,6 @@ __global__ void __launch_bounds__(kThreads, 2) scores_kernel(ScoreParams p, int6
     for (int t = tid; t < nt; t += kThreads) emit(0, t, acc[t]);
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& w, const at::Tensor& k,
-                  const c10::optional<at::Tensor>& q_start) {
-  TORCH_CHECK(q.dim() == 4, "q must have shape [B,S,H,D], got a tensor of rank ", q.dim());
-  TORCH_CHECK(w.dim() == 3, "w must have shape [B,S,H], got a tensor of rank ", w.dim());
-  TORCH_CHECK(k.dim() == 3, "k must have shape [B,T,D], got a tensor of rank ", k.dim());
-  for (const auto* t : {&q, &k})
-    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf || t->scalar_type() == at::kBFloat16,
-                (t == &q ? "q" : "k"), " must be fp32, fp16 or bf16, got ", t->scalar_type());
-  TORCH_CHECK(at::isFloatingType(w.scalar_type()), "w must be fp32, fp16 or bf16, got ", w.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have the dtype of q (", q.scalar_type(), "), got ",
-              k.scalar_type());
-  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3);
-  TORCH_CHECK(w.size(0) == B && w.size(1) == S && w.size(2) == H, "w must have shape [B,S,H] = [", B, ",", S, ",", H,
-              "], got ", w.sizes());
-  TORCH_CHECK(k.size(0) == B && k.size(2) == D, "k must have shape [B,T,D] = [", B, ",T,", D, "], got ", k.sizes());
-  TORCH_CHECK(w.device() == q.device() && k.device() == q.device(), "q, w and k must be on one device, got q on ",
-              q.device(), ", w on ", w.device(), ", k on ", k.device());
-  if (q_start.has_value())
-    TORCH_CHECK(q_start->dim() == 1 && q_start->size(0) == B, "q_start must have shape [B] = [", B, "], got ",
-                q_start->sizes());
-}
-
 struct Inputs {
   at::Tensor q, w, k, q_start;
   int64_t B, S, H, D, T;
@@ -377,7 +356,7 @@ void run_scores(const Inputs& in, bool causal, int64_t b0, int64_t nb, int64_t s
 
 at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Tensor& k, bool causal,
                           const c10::optional<at::Tensor>& q_start) {
-  check_inputs(q, w, k, q_start);
+  check_indexer_args(q, w, k, q_start);
   const c10::cuda::CUDAGuard guard(q.device());
   const Inputs in(q, w, k, q_start);
   at::Tensor out = at::empty({in.B, in.S, in.T}, q.options().dtype(at::kFloat));
@@ -389,9 +368,8 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
 
 at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& w, const at::Tensor& k, int64_t topk, bool causal,
                         const c10::optional<at::Tensor>& q_start) {
-  check_inputs(q, w, k, q_start);
-  TORCH_CHECK(topk >= 1 && topk <= k.size(1), "topk must be in [1, T=", k.size(1), "], got ", topk);
-  TORCH_CHECK(k.size(1) < (int64_t(1) << 31), "k: T must be < 2^31 for int32 indices, got ", k.size(1));
+  check_indexer_args(q, w, k, q_start);
+  check_topk_count(topk, k.size(1), "topk");
   const c10::cuda::CUDAGuard guard(q.device());
   const Inputs in(q, w, k, q_start);
   at::Tensor out = at::empty({in.B, in.S, topk}, q.options().dtype(at::kInt));

@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "checks.h"
 #include "cuda/common.cuh"
 #include "cuda/topk.cuh"
 
@@ -361,18 +362,10 @@ void launch_topk(at::ScalarType dtype, const TopkRows& m, int64_t rows, bool sor
 namespace {
 
 at::Tensor topk_indices(const at::Tensor& scores, int64_t k, bool sorted) {
-  TORCH_CHECK(scores.dim() >= 1, "scores must have shape [..., T], got a 0-d tensor");
-  TORCH_CHECK(scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kHalf ||
-                  scores.scalar_type() == at::kBFloat16,
-              "scores must be fp32, fp16 or bf16, got ", scores.scalar_type());
-  const int64_t T = scores.size(-1);
-  TORCH_CHECK(k >= 1 && k <= T, "k must be in [1, T=", T, "], got ", k);
-  TORCH_CHECK(T < (int64_t(1) << 31), "scores: T must be < 2^31 for int32 indices, got ", T);
   const c10::cuda::CUDAGuard guard(scores.device());
+  at::Tensor out = topk_output(scores, k);
+  const int64_t T = scores.size(-1);
   const at::Tensor s = scores.contiguous();
-  std::vector<int64_t> out_shape(scores.sizes().begin(), scores.sizes().end());
-  out_shape.back() = k;
-  at::Tensor out = at::empty(out_shape, scores.options().dtype(at::kInt));
   const int64_t rows = s.numel() / std::max<int64_t>(T, 1);
   if (rows == 0) return out;
   TopkRows m;
