@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "checks.h"
+#include "cpu/parallel.h"
 #include "cpu/radix_select.h"
 
 namespace glm5 {
@@ -169,22 +170,19 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
   const int64_t nkc = (p.T + kKeyChunk - 1) / kKeyChunk;
   float* out_ptr = out.data_ptr<float>();
   // One work item per (query block, key chunk): decode-shaped calls use every thread too.
-  at::parallel_for(0, p.B * nqb * nkc, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> logits(qpb * p.H * kKeyChunk);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t task = item / nkc, t0 = (item % nkc) * kKeyChunk, t1 = std::min(t0 + kKeyChunk, p.T);
-      const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
-      float* dst = out_ptr + (b * p.S + s0) * p.T + t0;
-      if (t0 < p.key_end(b, s1)) {
-        score_tile(p, b, s0, s1, t0, std::min(t1, p.key_end(b, s1)), logits.data(), dst, p.T);
-      }
-      for (int64_t s = s0; s < s1; ++s) {  // keys past every query of the block: skipped, -inf
-        float* row = dst + (s - s0) * p.T;
-        std::fill(row + std::max<int64_t>(0, std::min(t1, p.key_end(b, s1)) - t0), row + (t1 - t0),
-                  -std::numeric_limits<float>::infinity());
-      }
-    }
-  });
+  parallel_dynamic(
+      p.B * nqb * nkc, [&] { return std::vector<float>(qpb * p.H * kKeyChunk); },
+      [&](int64_t item, std::vector<float>& logits) {
+        const int64_t task = item / nkc, t0 = (item % nkc) * kKeyChunk, t1 = std::min(t0 + kKeyChunk, p.T);
+        const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
+        const int64_t live_end = std::min(t1, p.key_end(b, s1));  // keys past every query of the block: -inf
+        float* dst = out_ptr + (b * p.S + s0) * p.T + t0;
+        if (t0 < live_end) score_tile(p, b, s0, s1, t0, live_end, logits.data(), dst, p.T);
+        for (int64_t s = s0; s < s1; ++s) {
+          float* row = dst + (s - s0) * p.T;
+          std::fill(row + std::max<int64_t>(0, live_end - t0), row + (t1 - t0), -std::numeric_limits<float>::infinity());
+        }
+      });
   return out;
 }
 
@@ -199,16 +197,15 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& w, const at::Tens
   const int64_t splits = key_splits(p, tasks);
   int32_t* out_ptr = out.data_ptr<int32_t>();
   if (splits == 1) {
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      StreamScratch sc(p, topk);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
-        stream_topk(p, b, s0, s1, 0, p.key_end(b, s1), sc);
-        for (int64_t s = s0; s < s1; ++s) {
-          int32_t* dst = out_ptr + (b * p.S + s) * topk;
-          const int64_t got = radix_select(sc.keys_of(s - s0), sc.idx_of(s - s0), sc.count[s - s0], topk, dst);
-          std::fill(dst + got, dst + topk, -1);
-        }
+    // Later query blocks see more keys (causal): hand them out first, dynamically.
+    parallel_dynamic(tasks, [&] { return StreamScratch(p, topk); }, [&](int64_t item, StreamScratch& sc) {
+      const int64_t task = tasks - 1 - item;
+      const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
+      stream_topk(p, b, s0, s1, 0, p.key_end(b, s1), sc);
+      for (int64_t s = s0; s < s1; ++s) {
+        int32_t* dst = out_ptr + (b * p.S + s) * topk;
+        const int64_t got = radix_select(sc.keys_of(s - s0), sc.idx_of(s - s0), sc.count[s - s0], topk, dst);
+        std::fill(dst + got, dst + topk, -1);
       }
     });
     return out;
@@ -218,17 +215,14 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& w, const at::Tens
   std::vector<uint32_t> part_keys(tasks * splits * qpb * topk);
   std::vector<int32_t> part_idx(part_keys.size());
   std::vector<int64_t> part_count(tasks * splits * qpb, 0);
-  at::parallel_for(0, tasks * splits, 1, [&](int64_t begin, int64_t end) {
-    StreamScratch sc(p, topk);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t task = item / splits, b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
-      const auto [t0, t1] = split_range(p.key_end(b, s1), item % splits, splits);
-      stream_topk(p, b, s0, s1, t0, t1, sc);
-      for (int64_t i = 0; i < s1 - s0; ++i) {
-        const int64_t slot = item * qpb + i;
-        part_count[slot] = radix_select(sc.keys_of(i), sc.idx_of(i), sc.count[i], topk,
-                                        part_idx.data() + slot * topk, part_keys.data() + slot * topk);
-      }
+  parallel_dynamic(tasks * splits, [&] { return StreamScratch(p, topk); }, [&](int64_t item, StreamScratch& sc) {
+    const int64_t task = item / splits, b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
+    const auto [t0, t1] = split_range(p.key_end(b, s1), item % splits, splits);
+    stream_topk(p, b, s0, s1, t0, t1, sc);
+    for (int64_t i = 0; i < s1 - s0; ++i) {
+      const int64_t slot = item * qpb + i;
+      part_count[slot] = radix_select(sc.keys_of(i), sc.idx_of(i), sc.count[i], topk, part_idx.data() + slot * topk,
+                                      part_keys.data() + slot * topk);
     }
   });
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "cpu/parallel.h"
 #include "cpu/radix_select.h"
 
 namespace glm5 {
@@ -20,10 +21,9 @@ at::Tensor topk_indices(const at::Tensor& scores, int64_t k, bool sorted) {
   int32_t* out_ptr = out.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "glm5_topk_indices", [&] {
     const scalar_t* src = s.const_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      Candidates cand(T);
-      for (int64_t r = begin; r < end; ++r) topk_row(src + r * T, T, k, sorted, out_ptr + r * k, cand);
-    });
+    parallel_dynamic(
+        rows, [&] { return Candidates(T); },
+        [&](int64_t r, Candidates& cand) { topk_row(src + r * T, T, k, sorted, out_ptr + r * k, cand); });
   });
   return out;
 }
