@@ -1,0 +1,354 @@
+// Mixture-of-Experts routing, dispatch and combine on the CPU.
+//
+// moe_route    one sgemm for the router logits (h @ gate_w^T in fp32), then one
+//              pass per token (parallel over tokens): sigmoid, +bias for the
+//              choice, group scores (sum of the top-2 per group), keep the
+//              topk_group best groups, pick top_k experts by insertion into a
+//              k-long sorted list (k <= a dozen: no sort of the E scores),
+//              weights from the un-biased scores. Slot order as the oracle:
+//              decreasing biased score; equal scores keep the lower expert id
+//              first.
+// moe_dispatch counting sort of the (token, slot) pairs by expert: per-chunk
+//              histograms, a prefix sum whose segments are padded to `align`
+//              rows, a stable scatter (by token, then slot, inside each expert),
+//              then a parallel row copy; padding rows are zero. No general sort.
+// moe_combine  out[t] = sum_j weights[t,j] * y_sorted[token_slot[t,j]]: a gather
+//              through the inverse permutation (deterministic, no atomics),
+//              parallel over tokens, accumulated in fp32 (float64 for float64).
+//
+// Semantics (the spec): glm5_ops/reference.py moe_route / moe_dispatch /
+// moe_combine. moe_dispatch matches the oracle bit for bit. moe_combine sums
+// the slots in order (j = 0..k-1, fused multiply-adds): deterministic, but
+// not the oracle's rounding, whose torch.sum order changes with D; they agree
+// to a few fp32 ulps.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "checks.h"
+
+namespace glm5 {
+namespace cpu {
+namespace {
+
+bool is_moe_float(at::ScalarType t) { return is_kernel_float(t) || t == at::kDouble; }
+
+// ---------------------------------------------------------------- routing --
+
+// A running top-n of (value, index), sorted by decreasing value; equal values
+// keep the earlier-inserted (lower) index first. n is small (<= a few dozen).
+struct SmallTopK {
+  float* val;
+  int32_t* idx;
+  int64_t n, count = 0;
+  SmallTopK(float* v, int32_t* i, int64_t n_) : val(v), idx(i), n(n_) {}
+  void push(float v, int32_t i) {
+    if (std::isnan(v)) v = -std::numeric_limits<float>::infinity();  // NaN never beats a number
+    if (count == n && !(v > val[n - 1])) return;
+    int64_t pos = count < n ? count : n - 1;
+    while (pos > 0 && val[pos - 1] < v) {
+      val[pos] = val[pos - 1];
+      idx[pos] = idx[pos - 1];
+      --pos;
+    }
+    val[pos] = v;
+    idx[pos] = i;
+    if (count < n) ++count;
+  }
+};
+
+struct RouteScratch {
+  std::vector<float> scores, choice, group_val;
+  std::vector<int32_t> group_idx;
+  std::vector<float> top_val;
+  std::vector<int32_t> top_idx;
+  std::vector<char> keep;
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tensor& gate_w, const at::Tensor& bias,
+                                             int64_t top_k, int64_t n_group, int64_t topk_group,
+                                             double routed_scaling_factor, bool norm_topk_prob) {
+  TORCH_CHECK(h.dim() == 2, "h must have shape [T,D], got a tensor of rank ", h.dim());
+  GLM5_CHECK_FLOAT(h, "h");
+  GLM5_CHECK_FLOAT(gate_w, "gate_w");
+  GLM5_CHECK_FLOAT(bias, "bias");
+  const int64_t T = h.size(0), D = h.size(1);
+  TORCH_CHECK(gate_w.dim() == 2 && gate_w.size(1) == D, "gate_w must have shape [E,D=", D, "], got ", gate_w.sizes());
+  const int64_t E = gate_w.size(0);
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == E, "bias must have shape [E=", E, "], got ", bias.sizes());
+  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && E / n_group >= 2, "n_group=", n_group, " must divide E=", E,
+              " into groups of at least 2 experts");
+  TORCH_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group must be in [1, n_group=", n_group, "], got ",
+              topk_group);
+  const int64_t per_group = E / n_group;
+  TORCH_CHECK(top_k >= 1 && top_k <= topk_group * per_group, "top_k must be in [1, topk_group * E / n_group = ",
+              topk_group * per_group, "], got ", top_k);
+  TORCH_CHECK(E < (int64_t(1) << 31), "gate_w: E must be < 2^31 for int32 ids, got ", E);
+  TORCH_CHECK(gate_w.device() == h.device() && bias.device() == h.device(), "h, gate_w and bias must be on one device");
+
+  at::Tensor weights = at::empty({T, top_k}, h.options().dtype(at::kFloat));
+  at::Tensor ids = at::empty({T, top_k}, h.options().dtype(at::kInt));
+  if (T == 0) return {weights, ids};
+
+  // The one GEMM, in fp32 like the oracle (transformers casts both to fp32).
+  const at::Tensor logits = at::mm(h.to(at::kFloat), gate_w.to(at::kFloat).t()).contiguous();
+  const at::Tensor b32 = bias.to(at::kFloat).contiguous();
+  const float* lg = logits.const_data_ptr<float>();
+  const float* bp = b32.const_data_ptr<float>();
+  float* wp = weights.data_ptr<float>();
+  int32_t* ip = ids.data_ptr<int32_t>();
+  const bool group_limited = topk_group < n_group;
+  const float scale = static_cast<float>(routed_scaling_factor);
+  using Vec = at::vec::Vectorized<float>;
+
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    RouteScratch s;
+    s.scores.resize(E);
+    s.choice.resize(E);
+    s.group_val.resize(n_group);
+    s.group_idx.resize(n_group);
+    s.top_val.resize(top_k);
+    s.top_idx.resize(top_k);
+    s.keep.assign(n_group, 1);
+    float* sc = s.scores.data();
+    float* ch = s.choice.data();
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = lg + t * E;
+      // scores = sigmoid(logits) (torch's formula, vectorised); choice = scores + bias.
+      int64_t e = 0;
+      for (; e + Vec::size() <= E; e += Vec::size()) {
+        const Vec x = Vec::loadu(row + e);
+        const Vec y = (Vec(1.f) + x.neg().exp()).reciprocal();
+        y.store(sc + e);
+        (y + Vec::loadu(bp + e)).store(ch + e);
+      }
+      for (; e < E; ++e) {
+        sc[e] = 1.f / (1.f + std::exp(-row[e]));
+        ch[e] = sc[e] + bp[e];
+      }
+      if (group_limited) {
+        // Group score: the sum of its two largest choices; keep the topk_group best groups.
+        SmallTopK groups(s.group_val.data(), s.group_idx.data(), topk_group);
+        for (int64_t g = 0; g < n_group; ++g) {
+          float a = -std::numeric_limits<float>::infinity(), b = a;
+          for (int64_t i = g * per_group; i < (g + 1) * per_group; ++i) {
+            const float v = std::isnan(ch[i]) ? -std::numeric_limits<float>::infinity() : ch[i];
+            if (v > a) {
+              b = a;
+              a = v;
+            } else if (v > b) {
+              b = v;
+            }
+          }
+          groups.push(a + b, static_cast<int32_t>(g));
+        }
+        std::fill(s.keep.begin(), s.keep.end(), 0);
+        for (int64_t i = 0; i < groups.count; ++i) s.keep[s.group_idx[i]] = 1;
+      }
+      SmallTopK top(s.top_val.data(), s.top_idx.data(), top_k);
+      for (int64_t g = 0; g < n_group; ++g) {
+        if (!s.keep[g]) continue;
+        for (int64_t i = g * per_group; i < (g + 1) * per_group; ++i) top.push(ch[i], static_cast<int32_t>(i));
+      }
+      // Weights from the un-biased scores of the chosen experts.
+      float* w = wp + t * top_k;
+      int32_t* id = ip + t * top_k;
+      float sum = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) {
+        id[j] = s.top_idx[j];
+        w[j] = sc[s.top_idx[j]];
+        sum += w[j];
+      }
+      const float denom = sum + 1e-20f;
+      for (int64_t j = 0; j < top_k; ++j) w[j] = (norm_topk_prob ? w[j] / denom : w[j]) * scale;
+    }
+  });
+  return {weights, ids};
+}
+
+// --------------------------------------------------------------- dispatch --
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& ids,
+                                                                        int64_t num_experts, int64_t align) {
+  TORCH_CHECK(x.dim() == 2, "x must have shape [T,D], got a tensor of rank ", x.dim());
+  TORCH_CHECK(is_moe_float(x.scalar_type()), "x must be fp32, fp16, bf16 or float64, got ", x.scalar_type());
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "ids must have shape [T=", T, ",k], got ", ids.sizes());
+  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "ids must be int32 (or int64), got ",
+              ids.scalar_type());
+  TORCH_CHECK(ids.device() == x.device(), "x and ids must be on one device, got x on ", x.device(), ", ids on ",
+              ids.device());
+  TORCH_CHECK(num_experts >= 1 && num_experts < (int64_t(1) << 31), "num_experts must be in [1, 2^31), got ",
+              num_experts);
+  TORCH_CHECK(align >= 1, "align must be >= 1, got ", align);
+  const int64_t k = ids.size(1), P = T * k, E = num_experts;
+  const at::Tensor id32 = ids.to(at::kInt).contiguous();
+  const int32_t* idp = id32.const_data_ptr<int32_t>();
+
+  // Histograms per chunk of pairs (chunks in pair order keep the scatter stable).
+  const int64_t chunks = std::clamp<int64_t>(P / 16384, 1, at::get_num_threads());
+  const int64_t chunk_len = (P + chunks - 1) / chunks;
+  std::vector<int64_t> hist(chunks * E, 0);
+  std::vector<int64_t> bad(chunks, -1);  // first out-of-range pair per chunk
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* hc = hist.data() + c * E;
+      for (int64_t p = c * chunk_len, pe = std::min(P, (c + 1) * chunk_len); p < pe; ++p) {
+        const int32_t e = idp[p];
+        if (e < 0 || e >= E) {
+          bad[c] = p;
+          break;
+        }
+        ++hc[e];
+      }
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) {
+    TORCH_CHECK(bad[c] < 0, "ids must be expert ids in [0, num_experts=", E, "), got ", idp[bad[c]], " at [",
+                bad[c] / k, ",", bad[c] % k, "]");
+  }
+
+  // Offsets: each expert's segment padded up to a multiple of align.
+  at::Tensor offsets = at::empty({E + 1}, x.options().dtype(at::kInt));
+  int32_t* op = offsets.data_ptr<int32_t>();
+  std::vector<int64_t> counts(E, 0), start(E + 1, 0);
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t e = 0; e < E; ++e) counts[e] += hist[c * E + e];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + (counts[e] + align - 1) / align * align;
+  const int64_t N = start[E];
+  TORCH_CHECK(N < (int64_t(1) << 31), "moe_dispatch: ", N, " sorted rows do not fit int32 offsets");
+  for (int64_t e = 0; e <= E; ++e) op[e] = static_cast<int32_t>(start[e]);
+
+  // Cursors: chunk c writes expert e's pairs after those of chunks before it.
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t cur = start[e];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t n = hist[c * E + e];
+      hist[c * E + e] = cur;
+      cur += n;
+    }
+  }
+  at::Tensor slot_token = at::empty({N}, x.options().dtype(at::kInt));
+  at::Tensor token_slot = at::empty({T, k}, x.options().dtype(at::kInt));
+  int32_t* stp = slot_token.data_ptr<int32_t>();
+  int32_t* tsp = token_slot.data_ptr<int32_t>();
+  for (int64_t e = 0; e < E; ++e) std::fill(stp + start[e] + counts[e], stp + start[e + 1], -1);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* cur = hist.data() + c * E;
+      for (int64_t p = c * chunk_len, pe = std::min(P, (c + 1) * chunk_len); p < pe; ++p) {
+        const int64_t r = cur[idp[p]]++;
+        tsp[p] = static_cast<int32_t>(r);
+        stp[r] = static_cast<int32_t>(p / k);
+      }
+    }
+  });
+
+  // The permuted copy of the activations (zero padding rows), parallel over rows.
+  const at::Tensor xc = x.contiguous();
+  at::Tensor x_sorted = at::empty({N, D}, x.options());
+  const int64_t row_bytes = D * xc.element_size();
+  const char* src = static_cast<const char*>(xc.const_data_ptr());
+  char* dst = static_cast<char*>(x_sorted.data_ptr());
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (stp[r] >= 0)
+        std::memcpy(dst + r * row_bytes, src + stp[r] * row_bytes, row_bytes);
+      else
+        std::memset(dst + r * row_bytes, 0, row_bytes);
+    }
+  });
+  return {x_sorted, offsets, slot_token, token_slot};
+}
+
+// ---------------------------------------------------------------- combine --
+
+namespace {
+
+// acc[i] += w * y[i] (the compiler vectorises it with fused multiply-adds).
+template <typename acc_t>
+inline void axpy(acc_t* __restrict acc, const acc_t* __restrict y, acc_t w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * y[i];
+}
+
+}  // namespace
+
+at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& token_slot, const at::Tensor& weights) {
+  TORCH_CHECK(y_sorted.dim() == 2, "y_sorted must have shape [N,D], got a tensor of rank ", y_sorted.dim());
+  TORCH_CHECK(is_moe_float(y_sorted.scalar_type()), "y_sorted must be fp32, fp16, bf16 or float64, got ",
+              y_sorted.scalar_type());
+  TORCH_CHECK(token_slot.dim() == 2, "token_slot must have shape [T,k], got a tensor of rank ", token_slot.dim());
+  TORCH_CHECK(token_slot.scalar_type() == at::kInt || token_slot.scalar_type() == at::kLong,
+              "token_slot must be int32 (or int64), got ", token_slot.scalar_type());
+  TORCH_CHECK(weights.sizes() == token_slot.sizes(), "weights must have shape [T,k] = ", token_slot.sizes(),
+              " like token_slot, got ", weights.sizes());
+  TORCH_CHECK(is_moe_float(weights.scalar_type()), "weights must be fp32, fp16, bf16 or float64, got ",
+              weights.scalar_type());
+  TORCH_CHECK(token_slot.device() == y_sorted.device() && weights.device() == y_sorted.device(),
+              "y_sorted, token_slot and weights must be on one device");
+  const int64_t N = y_sorted.size(0), D = y_sorted.size(1), T = token_slot.size(0), k = token_slot.size(1);
+  const at::Tensor ts = token_slot.to(at::kInt).contiguous();
+  const int32_t* tsp = ts.const_data_ptr<int32_t>();
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(tsp[p] >= 0 && tsp[p] < N, "token_slot entries must be rows of y_sorted in [0, N=", N, "), got ",
+                tsp[p], " at [", p / k, ",", p % k, "]");
+  }
+  const bool f64 = y_sorted.scalar_type() == at::kDouble || weights.scalar_type() == at::kDouble;
+  const at::ScalarType acc_type = f64 ? at::kDouble : at::kFloat;
+  const at::Tensor y = y_sorted.contiguous();
+  const at::Tensor w = weights.to(acc_type).contiguous();
+  at::Tensor out = at::empty({T, D}, y.options());
+  if (T == 0 || D == 0) return out.zero_();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "glm5_moe_combine", [&] {
+    const scalar_t* yp = y.const_data_ptr<scalar_t>();
+    scalar_t* outp = out.data_ptr<scalar_t>();
+    auto run = [&](auto acc_zero) {
+      using acc_t = decltype(acc_zero);
+      const acc_t* wp = w.const_data_ptr<acc_t>();
+      constexpr bool direct = std::is_same_v<scalar_t, acc_t>;  // accumulate in the output row itself
+      at::parallel_for(0, T, std::max<int64_t>(1, 16384 / (D * k + 1)), [&](int64_t t0, int64_t t1) {
+        std::vector<acc_t> acc_buf(direct ? 0 : D), row_buf(direct ? 0 : D);
+        for (int64_t t = t0; t < t1; ++t) {
+          acc_t* acc = direct ? reinterpret_cast<acc_t*>(outp + t * D) : acc_buf.data();
+          std::fill(acc, acc + D, acc_t(0));
+          for (int64_t j = 0; j < k; ++j) {
+            const scalar_t* src = yp + int64_t(tsp[t * k + j]) * D;
+            if constexpr (direct) {
+              axpy<acc_t>(acc, reinterpret_cast<const acc_t*>(src), wp[t * k + j], D);
+            } else {
+              at::vec::convert(src, row_buf.data(), D);
+              axpy<acc_t>(acc, row_buf.data(), wp[t * k + j], D);
+            }
+          }
+          if constexpr (!direct) at::vec::convert(acc, outp + t * D, D);
+        }
+      });
+    };
+    if (f64)
+      run(double(0));
+    else
+      run(float(0));
+  });
+  return out;
+}
+
+}  // namespace cpu
+}  // namespace glm5
+
+TORCH_LIBRARY_IMPL(glm5, CPU, m) {
+  m.impl("moe_route", &glm5::cpu::moe_route);
+  m.impl("moe_dispatch", &glm5::cpu::moe_dispatch);
+  m.impl("moe_combine", &glm5::cpu::moe_combine);
+}
