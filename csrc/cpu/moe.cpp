@@ -1,7 +1,7 @@
 // Mixture-of-Experts routing, dispatch and combine on the CPU.
 //
 // moe_route    one sgemm for the router logits (h @ gate_w^T in fp32), then one
-//              pass per token (parallel over tokens): sigmoid, +bias for the
+//              pass per token (blocks of tokens in parallel): sigmoid, +bias for the
 //              choice, group scores (sum of the top-2 per group), keep the
 //              topk_group best groups, pick top_k experts by insertion into a
 //              k-long sorted list (k <= a dozen: no sort of the E scores),
@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/parallel.h"
 
 namespace glm5 {
 namespace cpu {
@@ -52,8 +53,8 @@ struct SmallTopK {
   int64_t n, count = 0;
   SmallTopK(float* v, int32_t* i, int64_t n_) : val(v), idx(i), n(n_) {}
   void push(float v, int32_t i) {
+    if (count == n && !(v > val[n - 1])) return;  // the common case once the list is full (NaN included)
     if (std::isnan(v)) v = -std::numeric_limits<float>::infinity();  // NaN never beats a number
-    if (count == n && !(v > val[n - 1])) return;
     int64_t pos = count < n ? count : n - 1;
     while (pos > 0 && val[pos - 1] < v) {
       val[pos] = val[pos - 1];
@@ -101,7 +102,10 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
   at::Tensor ids = at::empty({T, top_k}, h.options().dtype(at::kInt));
   if (T == 0) return {weights, ids};
 
-  // The one GEMM, in fp32 like the oracle (transformers casts both to fp32).
+  // Router logits in fp32 like the oracle (transformers casts both to fp32):
+  // one sgemm over all tokens. (Measured: an sgemm per block of 64-256 tokens
+  // inside the selection loop, logits still in cache, was slower at D=1024
+  // and D=6144: each block re-reads gate_w.)
   const at::Tensor logits = at::mm(h.to(at::kFloat), gate_w.to(at::kFloat).t()).contiguous();
   const at::Tensor b32 = bias.to(at::kFloat).contiguous();
   const float* lg = logits.const_data_ptr<float>();
@@ -112,7 +116,9 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
   const float scale = static_cast<float>(routed_scaling_factor);
   using Vec = at::vec::Vectorized<float>;
 
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  // Blocks of tokens handed out dynamically (a core busy with other work does not stall the call).
+  constexpr int64_t kTokensPerItem = 64;
+  auto make_scratch = [&] {
     RouteScratch s;
     s.scores.resize(E);
     s.choice.resize(E);
@@ -121,9 +127,12 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
     s.top_val.resize(top_k);
     s.top_idx.resize(top_k);
     s.keep.assign(n_group, 1);
+    return s;
+  };
+  parallel_dynamic((T + kTokensPerItem - 1) / kTokensPerItem, make_scratch, [&](int64_t item, RouteScratch& s) {
     float* sc = s.scores.data();
     float* ch = s.choice.data();
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = item * kTokensPerItem, t1 = std::min(T, t + kTokensPerItem); t < t1; ++t) {
       const float* row = lg + t * E;
       // scores = sigmoid(logits) (torch's formula, vectorised); choice = scores + bias.
       int64_t e = 0;
@@ -261,8 +270,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at
   const int64_t row_bytes = D * xc.element_size();
   const char* src = static_cast<const char*>(xc.const_data_ptr());
   char* dst = static_cast<char*>(x_sorted.data_ptr());
-  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  const int64_t rows_per_item = std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1));
+  parallel_dynamic((N + rows_per_item - 1) / rows_per_item, [] { return 0; }, [&](int64_t item, int&) {
+    for (int64_t r = item * rows_per_item, r1 = std::min(N, r + rows_per_item); r < r1; ++r) {
       if (stp[r] >= 0)
         std::memcpy(dst + r * row_bytes, src + stp[r] * row_bytes, row_bytes);
       else
@@ -318,18 +328,21 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& token_slot,
       using acc_t = decltype(acc_zero);
       const acc_t* wp = w.const_data_ptr<acc_t>();
       constexpr bool direct = std::is_same_v<scalar_t, acc_t>;  // accumulate in the output row itself
-      at::parallel_for(0, T, std::max<int64_t>(1, 16384 / (D * k + 1)), [&](int64_t t0, int64_t t1) {
-        std::vector<acc_t> acc_buf(direct ? 0 : D), row_buf(direct ? 0 : D);
-        for (int64_t t = t0; t < t1; ++t) {
-          acc_t* acc = direct ? reinterpret_cast<acc_t*>(outp + t * D) : acc_buf.data();
+      const int64_t per_item = std::max<int64_t>(1, 16384 / (D * k + 1));
+      auto make_scratch = [&] { return std::vector<acc_t>(direct ? 0 : 2 * D); };
+      parallel_dynamic((T + per_item - 1) / per_item, make_scratch, [&](int64_t item, std::vector<acc_t>& buf) {
+        acc_t* acc_buf = buf.data();
+        acc_t* row_buf = direct ? nullptr : buf.data() + D;
+        for (int64_t t = item * per_item, t1 = std::min(T, t + per_item); t < t1; ++t) {
+          acc_t* acc = direct ? reinterpret_cast<acc_t*>(outp + t * D) : acc_buf;
           std::fill(acc, acc + D, acc_t(0));
           for (int64_t j = 0; j < k; ++j) {
             const scalar_t* src = yp + int64_t(tsp[t * k + j]) * D;
             if constexpr (direct) {
               axpy<acc_t>(acc, reinterpret_cast<const acc_t*>(src), wp[t * k + j], D);
             } else {
-              at::vec::convert(src, row_buf.data(), D);
-              axpy<acc_t>(acc, row_buf.data(), wp[t * k + j], D);
+              at::vec::convert(src, row_buf, D);
+              axpy<acc_t>(acc, row_buf, wp[t * k + j], D);
             }
           }
           if constexpr (!direct) at::vec::convert(acc, outp + t * D, D);
