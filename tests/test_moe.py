@@ -278,3 +278,20 @@ def test_route_nan_input_gives_valid_ids(impl):
     w, ids = glm5_ops.moe.moe_route(h, gate_w, bias, top_k=4, n_group=4, topk_group=2)
     assert ((ids >= 0) & (ids < 32)).all()
     assert all(len(set(row)) == 4 for row in ids.tolist())
+
+
+def test_layouts_and_mixed_dtypes(impl):
+    """Leading dims of h are flattened; non-contiguous inputs; bf16 h with an fp32 router; fp16 weights."""
+    E, D = 32, 24
+    h3, gate_w, bias = fresh(2, 5, D, dtype=torch.bfloat16, seed=4), fresh(E, D, seed=5), fresh(E, seed=6)
+    args = dict(top_k=3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    w, ids = glm5_ops.moe.moe_route(h3, gate_w, bias, **args)
+    w_ref, ids_ref = reference.moe_route(h3.reshape(10, D), gate_w, bias, norm_topk_prob=True, **args)
+    assert ids.shape == (10, 3) and torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=0, atol=1e-6)
+    x = fresh(D, 10, seed=7).t()  # non-contiguous [T,D]
+    xs, plan = glm5_ops.moe.moe_dispatch(x, ids, E, align=8)
+    assert torch.equal(xs, reference.moe_dispatch(x.contiguous(), ids, E, align=8)[0])
+    y = fresh(D, xs.shape[0], seed=8).t()
+    out = glm5_ops.moe.moe_combine(y, plan, w.half())
+    torch.testing.assert_close(out, reference.moe_combine(y.contiguous(), plan, w.half()), rtol=1e-5, atol=1e-6)
