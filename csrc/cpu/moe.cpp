@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -68,7 +69,7 @@ struct SmallTopK {
 };
 
 struct RouteScratch {
-  std::vector<float> scores, choice, group_val;
+  std::vector<float> scores, choice, group_val, top2, seeds;
   std::vector<int32_t> group_idx;
   std::vector<float> top_val;
   std::vector<int32_t> top_idx;
@@ -123,6 +124,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
     s.scores.resize(E);
     s.choice.resize(E);
     s.group_val.resize(n_group);
+    s.top2.resize(2 * n_group);
+    s.seeds.resize(2 * topk_group);
     s.group_idx.resize(n_group);
     s.top_val.resize(top_k);
     s.top_idx.resize(top_k);
@@ -136,39 +139,56 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
       const float* row = lg + t * E;
       // scores = sigmoid(logits) (torch's formula, vectorised); choice = scores + bias.
       int64_t e = 0;
+      // A NaN choice becomes -inf: it never beats a number and never poisons a group score.
+      const Vec ninf(-std::numeric_limits<float>::infinity());
       for (; e + Vec::size() <= E; e += Vec::size()) {
         const Vec x = Vec::loadu(row + e);
         const Vec y = (Vec(1.f) + x.neg().exp()).reciprocal();
         y.store(sc + e);
-        (y + Vec::loadu(bp + e)).store(ch + e);
+        const Vec c = y + Vec::loadu(bp + e);
+        Vec::blendv(ninf, c, c == c).store(ch + e);
       }
       for (; e < E; ++e) {
         sc[e] = 1.f / (1.f + std::exp(-row[e]));
         ch[e] = sc[e] + bp[e];
+        if (std::isnan(ch[e])) ch[e] = -std::numeric_limits<float>::infinity();
       }
+      // Only experts with choice >= thr can make the top_k (-inf: no filter).
+      float thr = -std::numeric_limits<float>::infinity();
       if (group_limited) {
-        // Group score: the sum of its two largest choices; keep the topk_group best groups.
+        // Group score: the sum of its two largest choices (branch-free scan); keep the topk_group best groups.
         SmallTopK groups(s.group_val.data(), s.group_idx.data(), topk_group);
         for (int64_t g = 0; g < n_group; ++g) {
           float a = -std::numeric_limits<float>::infinity(), b = a;
           for (int64_t i = g * per_group; i < (g + 1) * per_group; ++i) {
-            const float v = std::isnan(ch[i]) ? -std::numeric_limits<float>::infinity() : ch[i];
-            if (v > a) {
-              b = a;
-              a = v;
-            } else if (v > b) {
-              b = v;
-            }
+            const float v = ch[i];
+            b = std::max(b, std::min(a, v));
+            a = std::max(a, v);
           }
+          s.top2[2 * g] = a;
+          s.top2[2 * g + 1] = b;
           groups.push(a + b, static_cast<int32_t>(g));
         }
         std::fill(s.keep.begin(), s.keep.end(), 0);
         for (int64_t i = 0; i < groups.count; ++i) s.keep[s.group_idx[i]] = 1;
+        // The kept groups' top-2 values are real candidates: when there are at least top_k of
+        // them, their top_k-th largest bounds the answer's smallest from below.
+        if (top_k <= 2 * topk_group) {
+          float* seeds = s.seeds.data();
+          for (int64_t i = 0; i < groups.count; ++i) {
+            seeds[2 * i] = s.top2[2 * s.group_idx[i]];
+            seeds[2 * i + 1] = s.top2[2 * s.group_idx[i] + 1];
+          }
+          std::nth_element(seeds, seeds + top_k - 1, seeds + 2 * groups.count, std::greater<float>());
+          thr = seeds[top_k - 1];
+        }
       }
       SmallTopK top(s.top_val.data(), s.top_idx.data(), top_k);
       for (int64_t g = 0; g < n_group; ++g) {
         if (!s.keep[g]) continue;
-        for (int64_t i = g * per_group; i < (g + 1) * per_group; ++i) top.push(ch[i], static_cast<int32_t>(i));
+        for (int64_t i = g * per_group; i < (g + 1) * per_group; ++i) {
+          if (ch[i] >= thr) top.push(ch[i], static_cast<int32_t>(i));
+        }
       }
       // Weights from the un-biased scores of the chosen experts.
       float* w = wp + t * top_k;
