@@ -159,6 +159,7 @@ def test_gradcheck_float64(impl):
         return glm5_ops.moe.moe_combine(torch.tanh(xs) * 1.5, plan, w)
 
     assert torch.autograd.gradcheck(layer, (x, w))
+    assert torch.autograd.gradgradcheck(layer, (x, w))  # the backward is differentiable too
     xs, plan = reference.moe_dispatch(x.detach(), ids, E, align=align)
     y = fresh(*xs.shape, dtype=torch.float64, seed=14).requires_grad_()
     assert torch.autograd.gradcheck(lambda y, w: glm5_ops.moe.moe_combine(y, plan, w), (y, w))
