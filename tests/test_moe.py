@@ -296,3 +296,19 @@ def test_layouts_and_mixed_dtypes(impl):
     y = fresh(D, xs.shape[0], seed=8).t()
     out = glm5_ops.moe.moe_combine(y, plan, w.half())
     torch.testing.assert_close(out, reference.moe_combine(y.contiguous(), plan, w.half()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("E,n_group,topk_group,top_k", ROUTES)
+def test_route_matches_hf_router_transcription(impl, E, n_group, topk_group, top_k):
+    """Against the line-by-line transcription of transformers' GlmMoeDsaTopkRouter.forward
+    (tests/test_reference_oracles.py; HF's own class is checked there when transformers is
+    installed): same experts (as sets: HF uses topk(sorted=False)), weights within 1e-6."""
+    from test_reference_oracles import _route_transcribed
+    h, gate_w, bias = _route_inputs(45, 40, E, torch.float32, seed=E + top_k)
+    w, ids = glm5_ops.moe.moe_route(h, gate_w, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                    routed_scaling_factor=2.5, norm_topk_prob=True)
+    w_hf, ids_hf = _route_transcribed(h, gate_w, bias, top_k, n_group, topk_group, 2.5, True)
+    ws, idss = _as_sets(w, ids)
+    wh, idh = _as_sets(w_hf, ids_hf)
+    assert torch.equal(idss, idh)
+    torch.testing.assert_close(ws, wh, rtol=0, atol=1e-6)
