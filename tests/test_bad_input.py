@@ -83,7 +83,8 @@ def test_cpp_ops_guard_direct_calls():
 def test_missing_kernel_is_not_implemented():
     """Schemas of later work exist but have no kernel yet: a clear NotImplementedError."""
     ops = torch.ops.glm5
-    if torch._C._dispatch_has_kernel_for_dispatch_key("glm5::moe_combine", "CPU"):
-        pytest.skip("moe_combine has landed")
+    if torch._C._dispatch_has_kernel_for_dispatch_key("glm5::fused_moe_fwd", "CPU"):
+        pytest.skip("fused_moe has landed")
+    x, wgu, wd = fresh(4, 8), fresh(2, 6, 8), fresh(2, 8, 3)
     with pytest.raises(NotImplementedError):
-        ops.moe_combine(fresh(4, 8), torch.zeros(2, 2, dtype=torch.int32), fresh(2, 2))
+        ops.fused_moe_fwd(x, wgu, wd, fresh(4, 1), torch.zeros(4, 1, dtype=torch.int32, device=DEVICE))

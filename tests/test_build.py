@@ -9,13 +9,14 @@ import torch
 import glm5_ops
 
 OPS = ["indexer_scores", "topk_indices", "indexer_topk"]
+CPU_ONLY_OPS = ["moe_route", "moe_dispatch", "moe_combine"]  # CUDA kernels: later work
 
 
 def _nvcc_present():
     return shutil.which("nvcc") is not None or os.path.exists("/usr/local/cuda/bin/nvcc")
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", OPS + CPU_ONLY_OPS)
 def test_cpu_kernels_registered(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"glm5::{op}", "CPU")
 
