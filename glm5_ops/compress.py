@@ -152,7 +152,9 @@ class Packed:
         return self.packed.nbytes + self.scale.nbytes + self.zero.nbytes
 
     def unpack(self) -> torch.Tensor:
-        return dequantize(self.packed, self.scale, self.zero, self.bits, self.group_size, self.shape, self.dtype)
+        numel = math.prod(self.shape)  # groups run over the flattened tensor
+        return dequantize(self.packed, self.scale, self.zero, self.bits, self.group_size, (numel,),
+                          self.dtype).view(self.shape)
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -196,8 +198,8 @@ class SavedTensorMeter:
     "(checkpoint inputs)" for what torch.utils.checkpoint keeps to recompute from).
 
     As a context manager it installs pass-through hooks (nothing compressed) and
-    records every saved tensor; compressed_activations(meter=...) reports into it
-    too, so nesting both gives one account. Bytes are what stays allocated: a saved
+    records every saved tensor; compressed_activations(meter=...) blocks nested
+    inside it report into it too, so nesting both gives one account. Bytes are what stays allocated: a saved
     view keeps its whole storage, each storage counts once, parameters and buffers
     (`params`) are listed apart and not counted.
 
@@ -210,7 +212,7 @@ class SavedTensorMeter:
         self._params = _param_storages(params)
         self._names = _OpNames()
         self._hooks = None
-        self._active = False
+        self.active = False
         self.reset()
 
     def reset(self):
@@ -238,14 +240,14 @@ class SavedTensorMeter:
 
     def __enter__(self):
         self._names.__enter__()
-        self._active = True
+        self.active = True
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
-        self._active = False
+        self.active = False
         self._names.__exit__(*exc)
         return False
 
@@ -297,7 +299,7 @@ class compressed_activations(torch.autograd.graph.saved_tensors_hooks):
     checkpoint keeps to recompute from pass through these hooks and are
     compressed; what the checkpointed region saves is recomputed, not stored.
     Nested blocks: the innermost one applies. `meter` (a SavedTensorMeter)
-    receives an account of every save."""
+    receives an account of every save made while it is entered."""
 
     def __init__(self, bits: int = 8, group_size: int = 128, *, min_numel: int = 4096,
                  skip: Callable[[torch.Tensor], bool] | None = None, params=None, stochastic: bool = False,
@@ -325,7 +327,7 @@ class compressed_activations(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, t: torch.Tensor):
         why = self._why_not(t)
         if why is not None:
-            if self.meter is not None:
+            if self.meter is not None and self.meter.active:
                 self.meter.record(t, "param" if why == "param" else "raw")
             return t
         key = (_storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
@@ -336,7 +338,7 @@ class compressed_activations(torch.autograd.graph.saved_tensors_hooks):
                                                      self.stochastic)
             handle = Packed(packed, scale, zero, self.bits, self.group_size, tuple(t.shape), t.dtype)
             self._cache[key] = (weakref.ref(t), weakref.ref(handle))
-        if self.meter is not None:
+        if self.meter is not None and self.meter.active:
             self.meter.record(t, "compressed", handle)
         return handle
 
@@ -344,18 +346,6 @@ class compressed_activations(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(obj):
         return obj.unpack() if isinstance(obj, Packed) else obj
 
-    def __enter__(self):
-        # op names for the meter: its mode runs only while it is entered somewhere
-        self._names = self.meter._names if self.meter is not None and not self.meter._active else None
-        if self._names is not None:
-            self._names.__enter__()
-            self.meter._active = True
-        return super().__enter__()
-
     def __exit__(self, *exc):
         self._cache.clear()
-        out = super().__exit__(*exc)
-        if self._names is not None:
-            self.meter._active = False
-            self._names.__exit__(*exc)
-        return out
+        return super().__exit__(*exc)
