@@ -171,10 +171,13 @@ def _param_storages(params) -> set:
     return {_storage_key(p) for p in params if p.numel() > 0}
 
 
-def _is_leaf_param(t: torch.Tensor) -> bool:
-    """nn.Parameter, a leaf that requires grad, or a view of one (W.t() saved by a matmul)."""
+def _is_param(t: torch.Tensor, storages: set, given: bool) -> bool:
+    """Storage of a given parameter/buffer, an nn.Parameter or a view of one (W.t() saved by
+    a matmul); when no parameters were given, also any leaf that requires grad."""
+    if _storage_key(t) in storages:
+        return True
     base = t._base if t._base is not None else t
-    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+    return isinstance(base, torch.nn.Parameter) or (not given and base.is_leaf and base.requires_grad)
 
 
 class _OpNames(TorchFunctionMode):
@@ -209,7 +212,7 @@ class SavedTensorMeter:
     """
 
     def __init__(self, params=None):
-        self._params = _param_storages(params)
+        self._params, self._given = _param_storages(params), params is not None
         self._names = _OpNames()
         self._hooks = None
         self.active = False
@@ -234,7 +237,7 @@ class SavedTensorMeter:
         self.records.append((self.op_name(), kind, logical, stored))
 
     def _pack(self, t):
-        param = _storage_key(t) in self._params or _is_leaf_param(t)
+        param = _is_param(t, self._params, self._given)
         self.record(t, "param" if param else "raw")
         return t
 
@@ -288,8 +291,9 @@ class compressed_activations(torch.autograd.graph.saved_tensors_hooks):
     dequantises it straight into the saved dtype when backward needs it.
 
     Left alone (saved as is): parameters and buffers of `params` (a module or
-    tensors; compared by storage, so views such as W.t() count) and any leaf
-    that requires grad; non-floating tensors (indices, masks); tensors with
+    tensors; compared by storage, so views such as W.t() count), any
+    nn.Parameter, and, when `params` is None, any leaf that requires grad;
+    non-floating tensors (indices, masks); tensors with
     fewer than `min_numel` elements or whose numel group_size does not divide;
     tensors for which skip(t) is True. A tensor saved twice (by two ops, or by
     an op and a checkpoint) is compressed once. Groups run over the flattened
@@ -309,14 +313,14 @@ class compressed_activations(torch.autograd.graph.saved_tensors_hooks):
             raise ValueError(f"min_numel must be a non-negative int, got {min_numel!r}")
         self.bits, self.group_size, self.min_numel = bits, group_size, min_numel
         self.skip, self.stochastic, self.meter = skip, stochastic, meter
-        self._params = _param_storages(params)
+        self._params, self._given = _param_storages(params), params is not None
         self._cache = {}
         super().__init__(self._pack, self._unpack)
 
     def _why_not(self, t: torch.Tensor) -> str | None:
         if not t.is_floating_point() or t.dtype not in check.FLOAT_DTYPES:
             return "int"
-        if _storage_key(t) in self._params or _is_leaf_param(t):
+        if _is_param(t, self._params, self._given):
             return "param"
         if t.numel() < max(self.min_numel, 1) or t.numel() % self.group_size:
             return "small"
