@@ -202,9 +202,11 @@ class SavedTensorMeter:
 
     As a context manager it installs pass-through hooks (nothing compressed) and
     records every saved tensor; compressed_activations(meter=...) blocks nested
-    inside it report into it too, so nesting both gives one account. Bytes are what stays allocated: a saved
-    view keeps its whole storage, each storage counts once, parameters and buffers
-    (`params`) are listed apart and not counted.
+    inside it report into it too, so nesting both gives one account. Bytes are
+    what stays allocated: a saved view keeps its whole storage, each storage (or
+    compressed copy) counts once, parameters and buffers (`params`) are not
+    counted. Op names come from a TorchFunctionMode, which costs Python time per
+    op: meter one step, not every step.
 
         with SavedTensorMeter(params=model) as m:
             loss = model(x)

@@ -8,7 +8,7 @@ Presets:
   loss    300 steps of the small configuration, every policy once: the loss table
           ("recompute" is left out: recomputation is exact, its loss is the baseline's).
   memory  a configuration where saved activations dominate the baseline's peak
-          (12 layers, dim 128, batch 32x512), 3 steps per run, policies interleaved
+          (16 layers, dim 128, batch 24x512), 3 steps per run, policies interleaved
           and repeated (--repeats) because the CPU may be shared: median step time.
 
 Every run gets MALLOC_MMAP_THRESHOLD_ (default 128 KiB) so freed tensors go back
@@ -31,8 +31,8 @@ PRESETS = {
                  args=["--steps", "300", "--dim", "128", "--layers", "4", "--heads", "4", "--ffn", "352",
                        "--seq", "128", "--batch", "8"]),
     "memory": dict(policies=["none", "compress8", "compress4", "compress2", "recompute", "full"], repeats=2,
-                   args=["--steps", "3", "--dim", "128", "--layers", "12", "--heads", "4", "--ffn", "352",
-                         "--seq", "512", "--batch", "32", "--eval-batches", "1"]),
+                   args=["--steps", "3", "--dim", "128", "--layers", "16", "--heads", "4", "--ffn", "352",
+                         "--seq", "512", "--batch", "24", "--eval-batches", "1"]),
 }
 
 
