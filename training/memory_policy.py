@@ -10,7 +10,7 @@ submodules; the model code does not know about it.
     apply_memory_policy(model, policy, meter=meter)
 
 Presets: none | compress8 | compress4 | compress2 (every block, the embedding
-and the head compressed) | recompute (norms + activations recomputed, nothing
+and the head compressed; compress2s etc.: with stochastic rounding) | recompute (norms + activations recomputed, nothing
 compressed) | full (8-bit compression and recomputation everywhere). Spec strings give a
 per-layer policy: "0-1:c8+norm+act,2-3:c4" (layers not named: no policy),
 "head:c8" compresses the embedding and head too.
@@ -33,6 +33,7 @@ RECOMPUTABLE = ("norm", "act")   # RMSNorms; the SwiGLU activation (silu(gate) *
 class LayerPolicy:
     bits: int | None = None                        # compress saved tensors to this many bits; None keeps them
     recompute: tuple[str, ...] = ()                # subset of RECOMPUTABLE
+    stochastic: bool = False                       # stochastic rounding (unbiased) instead of nearest
 
     def __post_init__(self):
         if self.bits not in (None, 8, 4, 2):
@@ -51,38 +52,41 @@ class MemoryPolicy:
 
     @classmethod
     def preset(cls, name: str, n_layers: int, group_size: int = 128) -> "MemoryPolicy":
-        m = re.fullmatch(r"compress([842])", name)
+        m = re.fullmatch(r"compress([842])(s?)", name)
         if name == "none":
             layer = LayerPolicy()
         elif m:
-            layer = LayerPolicy(bits=int(m.group(1)))
+            layer = LayerPolicy(bits=int(m.group(1)), stochastic=bool(m.group(2)))
         elif name == "recompute":
             layer = LayerPolicy(recompute=RECOMPUTABLE)
         elif name == "full":
             layer = LayerPolicy(bits=8, recompute=RECOMPUTABLE)
         else:
-            raise ValueError(f"unknown policy {name!r}: none, compress8, compress4, compress2, recompute, full")
-        return cls([LayerPolicy(layer.bits, layer.recompute) for _ in range(n_layers)],
-                   head=LayerPolicy(layer.bits, ("norm",) if layer.recompute else ()), group_size=group_size)
+            raise ValueError(f"unknown policy {name!r}: none, compress8|4|2 (suffix s: stochastic rounding), "
+                             "recompute, full")
+        return cls([LayerPolicy(layer.bits, layer.recompute, layer.stochastic) for _ in range(n_layers)],
+                   head=LayerPolicy(layer.bits, ("norm",) if layer.recompute else (), layer.stochastic),
+                   group_size=group_size)
 
     @classmethod
     def parse(cls, spec: str, n_layers: int, group_size: int = 128) -> "MemoryPolicy":
         """A preset name, or comma-separated "LAYERS:PARTS" items, LAYERS = i | i-j | head,
-        PARTS = '+'-joined c8|c4|c2|norm|act, e.g. "0-1:c8+norm+act,2-3:c4,head:c8"."""
+        PARTS = '+'-joined c8|c4|c2 (c2s: stochastic rounding)|norm|act, e.g.
+        "0-1:c8+norm+act,2-3:c4,head:c8"."""
         if ":" not in spec:
             return cls.preset(spec, n_layers, group_size)
         policy = cls([LayerPolicy() for _ in range(n_layers)], group_size=group_size)
         for item in spec.split(","):
             where, _, parts = item.partition(":")
-            bits, rec = None, []
+            bits, rec, sto = None, [], False
             for p in parts.split("+"):
-                if re.fullmatch(r"c[842]", p):
-                    bits = int(p[1])
+                if re.fullmatch(r"c[842]s?", p):
+                    bits, sto = int(p[1]), p.endswith("s")
                 elif p in RECOMPUTABLE:
                     rec.append(p)
                 else:
                     raise ValueError(f"policy part {p!r} in {item!r}: expected c8, c4, c2, norm or act")
-            lp = LayerPolicy(bits, tuple(rec))
+            lp = LayerPolicy(bits, tuple(rec), sto)
             if where == "head":
                 policy.head = lp
                 continue
@@ -95,7 +99,7 @@ class MemoryPolicy:
 
     def describe(self) -> str:
         def one(lp):
-            parts = ([f"c{lp.bits}"] if lp.bits else []) + list(lp.recompute)
+            parts = ([f"c{lp.bits}" + "s" * lp.stochastic] if lp.bits else []) + list(lp.recompute)
             return "+".join(parts) or "-"
         return ", ".join(f"{i}:{one(lp)}" for i, lp in enumerate(self.layers)) + f", head:{one(self.head)}"
 
@@ -119,15 +123,16 @@ class Compressed(nn.Module):
     kept as `bits`-bit groups (parameters of `params` excepted)."""
 
     def __init__(self, inner: nn.Module, bits: int, group_size: int, min_numel: int, params: nn.Module,
-                 meter: SavedTensorMeter | None):
+                 meter: SavedTensorMeter | None, stochastic: bool = False):
         super().__init__()
         self.inner = inner
         self.bits, self.group_size, self.min_numel, self.meter = bits, group_size, min_numel, meter
+        self.stochastic = stochastic
         self._params = [params]   # a list, so the model is not registered as a submodule
 
     def forward(self, *args):
         with compressed_activations(self.bits, self.group_size, min_numel=self.min_numel,
-                                    params=self._params[0], meter=self.meter):
+                                    params=self._params[0], meter=self.meter, stochastic=self.stochastic):
             return self.inner(*args)
 
 
@@ -141,7 +146,7 @@ def apply_memory_policy(model: nn.Module, policy: MemoryPolicy, meter: SavedTens
     def compress(module, lp):
         if lp.bits is None:
             return module
-        return Compressed(module, lp.bits, policy.group_size, policy.min_numel, model, meter)
+        return Compressed(module, lp.bits, policy.group_size, policy.min_numel, model, meter, lp.stochastic)
 
     for i, lp in enumerate(policy.layers):
         block = model.blocks[i]
