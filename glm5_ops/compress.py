@@ -317,6 +317,8 @@ class compressed_activations(torch.autograd.graph.saved_tensors_hooks):
         self.skip, self.stochastic, self.meter = skip, stochastic, meter
         self._params, self._given = _param_storages(params), params is not None
         self._cache = {}
+        # stochastic rounding: one draw from torch's RNG per block, then a counter per tensor
+        self._seed, self._count = (_check_seed(None) if stochastic else 0), 0
         super().__init__(self._pack, self._unpack)
 
     def _why_not(self, t: torch.Tensor) -> str | None:
@@ -340,8 +342,9 @@ class compressed_activations(torch.autograd.graph.saved_tensors_hooks):
         hit = self._cache.get(key)
         handle = hit[1]() if hit is not None and hit[0]() is not None else None
         if handle is None:
+            self._count += 1
             packed, scale, zero = quantize_groupwise(t.detach().reshape(-1), self.bits, self.group_size,
-                                                     self.stochastic)
+                                                     self.stochastic, (self._seed + self._count) % 2**63)
             handle = Packed(packed, scale, zero, self.bits, self.group_size, tuple(t.shape), t.dtype)
             self._cache[key] = (weakref.ref(t), weakref.ref(handle))
         if self.meter is not None and self.meter.active:
