@@ -77,7 +77,7 @@ setup(
     name="glm5-kernel-lab",
     version="0.1.0",
     description="GLM-5's sparse attention and wide MoE as kernels: CPU C++, CUDA, Triton",
-    packages=find_packages(include=["glm5_ops", "glm5_ops.*", "models", "models.*", "profiling", "profiling.*"]),
+    packages=find_packages(include=["glm5_ops", "glm5_ops.*", "models", "models.*", "profiling", "profiling.*", "training", "training.*"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": cx.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
