@@ -8,6 +8,8 @@
 // (n % (8/bits)) * bits, first element in the lowest bits; x ≈ zero[g] + q * scale[g].
 #pragma once
 
+#include <type_traits>
+
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -96,6 +98,26 @@ inline int64_t check_dequantize_args(const at::Tensor& packed, const at::Tensor&
               "packed, scale and zero must be on one device, got ", packed.device(), ", ", scale.device(),
               " and ", zero.device());
   return numel;
+}
+
+// The three outputs of quantize_groupwise for x (checked by check_quantize_args):
+// packed codes (bits/8 bytes a value), and fp32 scale and zero per group.
+struct QuantizeOutputs {
+  at::Tensor packed, scale, zero;
+  int64_t groups;
+};
+inline QuantizeOutputs quantize_outputs(const at::Tensor& x, int64_t bits, int64_t group_size) {
+  const int64_t numel = x.numel(), G = numel / group_size;
+  return {at::empty({numel * bits / 8}, x.options().dtype(at::kByte)), at::empty({G}, x.options().dtype(at::kFloat)),
+          at::empty({G}, x.options().dtype(at::kFloat)), G};
+}
+
+// Calls f with the bit width as a compile-time constant (8, 4 or 2).
+template <typename F>
+void with_bits(int64_t bits, F&& f) {
+  if (bits == 8) f(std::integral_constant<int, 8>{});
+  else if (bits == 4) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, 2>{});
 }
 
 }  // namespace quant

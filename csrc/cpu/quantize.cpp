@@ -127,13 +127,6 @@ void dequantize_range(const uint8_t* packed, const float* scale, const float* ze
   }
 }
 
-template <typename F>
-void with_bits(int64_t bits, F&& f) {
-  if (bits == 8) f(std::integral_constant<int, 8>{});
-  else if (bits == 4) f(std::integral_constant<int, 4>{});
-  else f(std::integral_constant<int, 2>{});
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groupwise(const at::Tensor& x_in, int64_t bits,
@@ -141,10 +134,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groupwise(const at::Tens
                                                                   int64_t seed) {
   quant::check_quantize_args(x_in, bits, group_size);
   const at::Tensor x = x_in.contiguous();
-  const int64_t numel = x.numel(), G = numel / group_size;
-  at::Tensor packed = at::empty({numel * bits / 8}, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty({G}, x.options().dtype(at::kFloat));
-  at::Tensor zero = at::empty({G}, x.options().dtype(at::kFloat));
+  const quant::QuantizeOutputs outs = quant::quantize_outputs(x, bits, group_size);
+  const at::Tensor &packed = outs.packed, &scale = outs.scale, &zero = outs.zero;
+  const int64_t G = outs.groups;
   if (G == 0) return {packed, scale, zero};
   const uint32_t key = quant::seed_key(seed);
   const int64_t grain = std::max<int64_t>(1, kGrainElems / group_size);
@@ -153,7 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groupwise(const at::Tens
     uint8_t* pp = packed.data_ptr<uint8_t>();
     float* sp = scale.data_ptr<float>();
     float* zp = zero.data_ptr<float>();
-    with_bits(bits, [&](auto b) {
+    quant::with_bits(bits, [&](auto b) {
       at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
         quantize_range<decltype(b)::value, scalar_t>(xp, pp, sp, zp, g0, g1, group_size, stochastic, key);
       });
@@ -177,7 +169,7 @@ at::Tensor dequantize(const at::Tensor& packed_in, const at::Tensor& scale_in, c
     const float* sp = scale.const_data_ptr<float>();
     const float* zp = zero.const_data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    with_bits(bits, [&](auto b) {
+    quant::with_bits(bits, [&](auto b) {
       at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
         dequantize_range<decltype(b)::value, scalar_t>(pp, sp, zp, op, g0, g1, group_size);
       });

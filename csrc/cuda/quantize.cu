@@ -93,13 +93,6 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ packed, const floa
   }
 }
 
-template <typename F>
-void with_bits(int64_t bits, F&& f) {
-  if (bits == 8) f(std::integral_constant<int, 8>{});
-  else if (bits == 4) f(std::integral_constant<int, 4>{});
-  else f(std::integral_constant<int, 2>{});
-}
-
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groupwise(const at::Tensor& x_in, int64_t bits,
@@ -108,17 +101,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_groupwise(const at::Tens
   quant::check_quantize_args(x_in, bits, group_size);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
-  const int64_t numel = x.numel(), G = numel / group_size;
-  at::Tensor packed = at::empty({numel * bits / 8}, x.options().dtype(at::kByte));
-  at::Tensor scale = at::empty({G}, x.options().dtype(at::kFloat));
-  at::Tensor zero = at::empty({G}, x.options().dtype(at::kFloat));
+  const quant::QuantizeOutputs outs = quant::quantize_outputs(x, bits, group_size);
+  const at::Tensor &packed = outs.packed, &scale = outs.scale, &zero = outs.zero;
+  const int64_t G = outs.groups;
   if (G == 0) return {packed, scale, zero};
   const uint32_t key = quant::seed_key(seed);
   const int64_t blocks = (G + kWarpsPerBlock - 1) / kWarpsPerBlock;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "x: too many groups (", G, ") for one launch");
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "glm5_quantize_groupwise_cuda", [&] {
-    with_bits(bits, [&](auto b) {
+    quant::with_bits(bits, [&](auto b) {
       quantize_kernel<decltype(b)::value, scalar_t><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
           zero.data_ptr<float>(), G, group_size, stochastic, key);
@@ -142,7 +134,7 @@ at::Tensor dequantize(const at::Tensor& packed_in, const at::Tensor& scale_in, c
   const int64_t blocks = std::min<int64_t>((n_bytes + threads - 1) / threads, int64_t(1) << 20);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "glm5_dequantize_cuda", [&] {
-    with_bits(bits, [&](auto b) {
+    quant::with_bits(bits, [&](auto b) {
       dequantize_kernel<decltype(b)::value, scalar_t><<<blocks, threads, 0, stream>>>(
           packed.const_data_ptr<uint8_t>(), scale.const_data_ptr<float>(), zero.const_data_ptr<float>(),
           out.data_ptr<scalar_t>(), n_bytes, group_size);
