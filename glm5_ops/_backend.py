@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import os
 
 import torch
@@ -54,6 +55,12 @@ def triton_ready(device: torch.device) -> None:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the triton backend runs CPU tensors only under TRITON_INTERPRET=1 "
                            "(set it before importing glm5_ops); use a CUDA tensor or another backend")
+
+
+def triton_module(name: str, device: torch.device):
+    """glm5_ops.triton.<name>, imported on first use, once the device can run it."""
+    triton_ready(device)
+    return importlib.import_module(f"{__package__}.triton.{name}")
 
 
 def dispatch(op: str, device: torch.device, impls: dict, *args, **kwargs):

@@ -38,14 +38,9 @@ from torch.overrides import TorchFunctionMode
 
 from . import _checks as check
 from . import reference
-from ._backend import _C, cpp_ops, dispatch, triton_ready
+from ._backend import _C, cpp_ops, dispatch, triton_module
 
 BITS = (8, 4, 2)
-
-
-def _triton():
-    from .triton import quantize as triton_quantize
-    return triton_quantize
 
 
 def _check_bits_group(bits, group_size):
@@ -82,8 +77,7 @@ def quantize_groupwise(x: torch.Tensor, bits: int, group_size: int = 128, stocha
     x = x.detach().contiguous()
     return dispatch("quantize_groupwise", x.device, {
         "cpp": lambda: cpp_ops().quantize_groupwise(x, bits, group_size, bool(stochastic), seed),
-        "triton": lambda: (triton_ready(x.device),
-                           _triton().quantize_groupwise(x, bits, group_size, stochastic, seed))[1],
+        "triton": lambda: triton_module("quantize", x.device).quantize_groupwise(x, bits, group_size, stochastic, seed),
         "reference": lambda: reference.quantize_groupwise(x, bits, group_size, bool(stochastic), seed=seed),
     })
 
@@ -116,8 +110,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     packed, scale, zero = packed.contiguous(), scale.contiguous(), zero.contiguous()
     return dispatch("dequantize", device, {
         "cpp": lambda: cpp_ops().dequantize(packed, scale, zero, bits, group_size, list(shape), dtype),
-        "triton": lambda: (triton_ready(device),
-                           _triton().dequantize(packed, scale, zero, bits, group_size, shape, dtype))[1],
+        "triton": lambda: triton_module("quantize", device).dequantize(packed, scale, zero, bits, group_size, shape,
+                                                                       dtype),
         "reference": lambda: reference.dequantize(packed, scale, zero, bits, group_size, shape, dtype),
     })
 

@@ -16,12 +16,7 @@ import torch
 
 from . import _checks as check
 from . import reference
-from ._backend import cpp_ops, dispatch, triton_ready
-
-
-def _triton():
-    from .triton import indexer as triton_indexer
-    return triton_indexer
+from ._backend import cpp_ops, dispatch, triton_module
 
 
 def _check_indexer_inputs(q, w, k, q_start):
@@ -48,7 +43,7 @@ def indexer_scores(q, w, k, *, causal: bool = True, q_start=None) -> torch.Tenso
     q, w, k, qs, device = _check_indexer_inputs(q, w, k, q_start)
     return dispatch("indexer_scores", device, {
         "cpp": lambda: cpp_ops().indexer_scores(q, w, k, causal, qs),
-        "triton": lambda: (triton_ready(device), _triton().indexer_scores(q, w, k, causal, qs))[1],
+        "triton": lambda: triton_module("indexer", device).indexer_scores(q, w, k, causal, qs),
         "reference": lambda: reference.indexer_scores(q, w, k, causal=causal, q_start=qs),
     })
 
@@ -65,7 +60,7 @@ def topk_indices(scores, k: int, *, sorted: bool = False) -> torch.Tensor:
     scores = scores.contiguous()
     return dispatch("topk_indices", scores.device, {
         "cpp": lambda: cpp_ops().topk_indices(scores, k, sorted),
-        "triton": lambda: (triton_ready(scores.device), _triton().topk_indices(scores, k, sorted))[1],
+        "triton": lambda: triton_module("indexer", scores.device).topk_indices(scores, k, sorted),
         "reference": lambda: reference.topk_indices(scores, k, sorted=sorted),
     })
 
@@ -81,6 +76,6 @@ def indexer_topk(q, w, k, topk: int, *, causal: bool = True, q_start=None) -> to
     check.int_in_range(topk, "topk", 1, k.shape[1])
     return dispatch("indexer_topk", device, {
         "cpp": lambda: cpp_ops().indexer_topk(q, w, k, topk, causal, qs),
-        "triton": lambda: (triton_ready(device), _triton().indexer_topk(q, w, k, topk, causal, qs))[1],
+        "triton": lambda: triton_module("indexer", device).indexer_topk(q, w, k, topk, causal, qs),
         "reference": lambda: reference.indexer_topk(q, w, k, topk, causal=causal, q_start=qs),
     })

@@ -88,3 +88,11 @@ def test_missing_kernel_is_not_implemented():
     x, wgu, wd = fresh(4, 8), fresh(2, 6, 8), fresh(2, 8, 3)
     with pytest.raises(NotImplementedError):
         ops.fused_moe_fwd(x, wgu, wd, fresh(4, 1), torch.zeros(4, 1, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU-only check")
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with glm5_ops.use_backend("triton"):
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            glm5_ops.topk_indices(fresh(2, 10), 3)
