@@ -10,6 +10,7 @@ from . import _fake  # noqa: F401  (shapes for torch.compile / opcheck)
 from . import reference
 from ._backend import BACKENDS, current_backend, use_backend
 from . import moe  # noqa: F401  (register_fake + register_autograd of the MoE ops)
+from .attention import BlockMask, attention_recall, block_sparse_attention, block_topk_mask, sparse_attention
 from .compress import SavedTensorMeter, compressed_activations, dequantize, quantize_groupwise
 from .indexer import indexer_scores, indexer_topk, topk_indices
 from .moe import moe_combine, moe_dispatch, moe_route
@@ -17,5 +18,6 @@ from .reference import MoEPlan
 
 __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "indexer_scores", "topk_indices", "indexer_topk",
+           "sparse_attention", "block_topk_mask", "block_sparse_attention", "BlockMask", "attention_recall",
            "moe_route", "moe_dispatch", "moe_combine", "MoEPlan",
            "quantize_groupwise", "dequantize", "compressed_activations", "SavedTensorMeter"]

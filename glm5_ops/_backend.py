@@ -73,4 +73,4 @@ def dispatch(op: str, device: torch.device, impls: dict, *args, **kwargs):
         return impl(*args, **kwargs)
     except NotImplementedError as e:
         raise NotImplementedError(f"glm5_ops.{op}: the {backend!r} backend has no kernel for "
-                                  f"{device.type} tensors ({e})") from e
+                                  f"{device.type} tensors ({str(e).splitlines()[0]})") from e

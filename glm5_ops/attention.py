@@ -1,0 +1,336 @@
+"""Sparse attention: token-level (DSA) and block-sparse, and the block-level predictor.
+
+Layouts (row-major):
+  q        [B, S, Hq, Dk]  fp32 | fp16 | bf16   made contiguous by the call
+  k        [B, T, Hkv, Dk] dtype of q           Hkv divides Hq; query head h reads kv head h // (Hq // Hkv)
+  v        [B, T, Hkv, Dv] dtype of q           may be a strided view of k (MLA's absorbed form:
+                                                v = k[..., :Dv]); k and v need unit stride along D only
+  indices  [B, S, topk]    int32 (int64 accepted) key positions per query, any order, -1 = empty slot;
+                                                 expected duplicate-free (the indexer's top-k is)
+  q_start  None | int | int [B]                 absolute position of query 0 (default T - S)
+  out      [B, S, Hq, Dv]  dtype of q
+  lse      [B, S, Hq]      fp32, natural log of the softmax normaliser; -inf for a query with no key
+  BlockMask(kv_num_blocks int32 [B,H,Qb], kv_indices int32 [B,H,Qb,maxKV], block_size):
+           FlexAttention's layout (H counts query heads; B, H may be 1 to broadcast);
+           row (b,h,i) selects key blocks kv_indices[b,h,i,:kv_num_blocks[b,h,i]].
+
+Semantics: glm5_ops/reference.py (sparse_attention, block_topk_mask,
+block_sparse_attention). Both attentions are differentiable in q, k and v
+(lse is returned for inspection and is not differentiable). Backends:
+glm5_ops/_backend.py.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import _checks as check
+from . import reference
+from ._backend import _C, cpp_ops, current_backend, dispatch, triton_module
+
+
+class BlockMask(NamedTuple):
+    """A block mask in FlexAttention's layout (see the module docstring)."""
+    kv_num_blocks: torch.Tensor
+    kv_indices: torch.Tensor
+    block_size: int
+
+    def to_flex(self, S: int, T: int, *, causal: bool = True, q_start=None):
+        """The same mask as a torch FlexAttention BlockMask (mask_mod included)."""
+        return reference.to_flex_block_mask(self.kv_num_blocks, self.kv_indices, self.block_size, S, T,
+                                            causal=causal, q_start=q_start)
+
+    def density(self, S: int, T: int) -> float:
+        """Fraction of the [S, T] block grid the mask selects (averaged over B, H)."""
+        Kb = -(-T // self.block_size)
+        return float(self.kv_num_blocks.float().mean()) / Kb if self.kv_num_blocks.numel() else 0.0
+
+
+# ------------------------------------------------------------ arguments --
+
+def _check_qkv(q, k, v):
+    check.tensor(q, "q", "[B,S,Hq,Dk]", rank=4)
+    B, S, Hq, Dk = q.shape
+    check.tensor(k, "k", f"[B,T,Hkv,Dk]=[{B},T,Hkv,{Dk}]", rank=4)
+    check.tensor(v, "v", f"[B,T,Hkv,Dv]=[{B},T,Hkv,Dv]", rank=4)
+    if k.shape[0] != B or k.shape[3] != Dk:
+        raise ValueError(f"k must have shape [B,T,Hkv,Dk]=[{B},T,Hkv,{Dk}] to match q, got shape {tuple(k.shape)}")
+    T, Hkv = k.shape[1], k.shape[2]
+    if tuple(v.shape[:3]) != (B, T, Hkv):
+        raise ValueError(f"v must have shape [B,T,Hkv,Dv]=[{B},{T},{Hkv},Dv] to match k, got shape {tuple(v.shape)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"the kv heads of k (Hkv={Hkv}) must divide the query heads of q (Hq={Hq})")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k and v must have the dtype of q ({q.dtype}), got {k.dtype} and {v.dtype}")
+    if T < 1:
+        raise ValueError("k must hold at least one key (T >= 1)")
+    device = check.same_device(q=q, k=k, v=v)
+    # k and v keep their strides (v may view k); only the head dim must be dense.
+    k = k if k.stride(3) == 1 else k.contiguous()
+    v = v if v.stride(3) == 1 else v.contiguous()
+    return q.contiguous(), k, v, device
+
+
+def _scale(scale, Dk: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(Dk)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    return float(scale)
+
+
+def _check_indices(indices, B: int, S: int, T: int, device) -> torch.Tensor:
+    check.tensor(indices, "indices", f"[B,S,topk]=[{B},{S},topk]", rank=3, dtypes=check.INDEX_DTYPES)
+    if tuple(indices.shape[:2]) != (B, S):
+        raise ValueError(f"indices must have shape [B,S,topk]=[{B},{S},topk], got shape {tuple(indices.shape)}")
+    if indices.device != device:
+        raise ValueError(f"indices must be on {device} like q, got {indices.device}")
+    if indices.numel() and indices.device.type != "meta":
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < -1 or hi >= T:
+            raise ValueError(f"indices entries must be -1 or key positions in [0, T={T}), got values in [{lo}, {hi}]")
+    return indices.to(torch.int32).contiguous()
+
+
+def _as_block_mask(block_mask) -> BlockMask:
+    if isinstance(block_mask, BlockMask):
+        return block_mask
+    if type(block_mask).__name__ == "BlockMask" and hasattr(block_mask, "kv_num_blocks"):
+        return BlockMask(*reference.from_flex_block_mask(block_mask))   # torch FlexAttention's
+    if isinstance(block_mask, tuple) and len(block_mask) == 3:
+        return BlockMask(*block_mask)
+    raise TypeError("block_mask must be a glm5_ops.BlockMask (kv_num_blocks, kv_indices, block_size) or a torch "
+                    f"FlexAttention BlockMask, got {type(block_mask).__name__}")
+
+
+def _check_block_mask(mask: BlockMask, B: int, S: int, Hq: int, T: int, device) -> BlockMask:
+    """Expands a broadcast mask to [B,Hq,...] and checks every used entry: the
+    kernels index key blocks with it, so a bad entry must never reach them."""
+    bs = check.int_in_range(mask.block_size, "block_size", 1, 2**31 - 1)
+    num, idx = mask.kv_num_blocks, mask.kv_indices
+    Qb, Kb = -(-S // bs), -(-T // bs)
+    check.tensor(num, "kv_num_blocks", f"[B,Hq,Qb]=[{B},{Hq},{Qb}]", rank=3, dtypes=check.INDEX_DTYPES)
+    check.tensor(idx, "kv_indices", f"[B,Hq,Qb,maxKV]=[{B},{Hq},{Qb},maxKV]", rank=4, dtypes=check.INDEX_DTYPES)
+    if num.shape[0] not in (1, B) or num.shape[1] not in (1, Hq) or num.shape[2] != Qb:
+        raise ValueError(f"block mask is for another shape: kv_num_blocks must be [B,Hq,Qb]=[{B}|1,{Hq}|1,{Qb}] "
+                         f"(S={S}, block_size={bs}), got shape {tuple(num.shape)}")
+    if tuple(idx.shape[:3]) != tuple(num.shape):
+        raise ValueError(f"kv_indices must be [*kv_num_blocks.shape, maxKV]=[{', '.join(map(str, num.shape))}, "
+                         f"maxKV], got shape {tuple(idx.shape)}")
+    if num.device != device or idx.device != device:
+        raise ValueError(f"the block mask must be on {device} like q, got {num.device} and {idx.device}")
+    if device.type != "meta" and num.numel():
+        W = idx.shape[3]
+        if int(num.min()) < 0 or int(num.max()) > min(W, Kb):
+            raise ValueError(f"kv_num_blocks entries must be in [0, min(maxKV={W}, Kb={Kb})], got values in "
+                             f"[{int(num.min())}, {int(num.max())}]")
+        used = torch.arange(W, device=device) < num[..., None]
+        if bool((used & ((idx < 0) | (idx >= Kb))).any()):
+            raise ValueError(f"kv_indices: the first kv_num_blocks entries of each row must be key block "
+                             f"indices in [0, Kb={Kb}) (T={T}, block_size={bs})")
+        keyed = torch.where(used, idx.long(), torch.full_like(idx, Kb, dtype=torch.long)).sort(-1).values
+        if bool(((keyed[..., 1:] == keyed[..., :-1]) & (keyed[..., 1:] < Kb)).any()):
+            raise ValueError("kv_indices: a row lists the same key block twice")
+    num = num.to(torch.int32).expand(B, Hq, Qb).contiguous()
+    idx = idx.to(torch.int32).expand(B, Hq, Qb, idx.shape[3]).contiguous()
+    return BlockMask(num, idx, bs)
+
+
+# ------------------------------------------------------------------ ops --
+
+def sparse_attention(q, k, v, indices, *, scale=None, causal: bool = False, q_start=None):
+    """(out [B,S,Hq,Dv], lse fp32 [B,S,Hq]): each query attends only to its
+    selected keys indices[b,s,:] (shared by all its heads); -1 slots are
+    skipped, and so are keys t > q_start[b] + s when causal. A query left with
+    no key outputs zeros and lse = -inf. scale defaults to 1/sqrt(Dk).
+    Memory: never more than a tile of gathered keys per worker; no [S,T]."""
+    q, k, v, device = _check_qkv(q, k, v)
+    B, S, Hq, Dk = q.shape
+    T = k.shape[1]
+    idx = _check_indices(indices, B, S, T, device)
+    sc = _scale(scale, Dk)
+    qs = check.q_start(q_start, B, device)
+    backend = current_backend(device)
+    if backend == "triton":
+        return _TritonSparse.apply(q, k, v, idx, sc, causal, qs)
+    return dispatch("sparse_attention", device, {
+        "cpp": lambda: cpp_ops().sparse_attention_fwd(q, k, v, idx, sc, causal, qs),
+        "reference": lambda: reference.sparse_attention(q, k, v, idx, scale=sc, causal=causal, q_start=qs),
+    })
+
+
+def block_topk_mask(q, k, *, block_size: int, topk_blocks: int, causal: bool = True, sink_blocks: int = 1,
+                    local_blocks: int = 1, pooling: str = "mean", q_start=None) -> BlockMask:
+    """The block-level predictor: per (query block, query head), the sink and
+    local key blocks plus the topk_blocks best-scoring others (mean-pooled
+    q·k by default; pooling="minmax" is Quest's upper bound). q [B,S,H,D],
+    k [B,T,Hkv,D]. Returns a BlockMask of width min(Kb, sink+local+topk_blocks),
+    blocks ascending then 0 padding (reference.block_topk_mask defines it)."""
+    check.tensor(q, "q", "[B,S,H,D]", rank=4)
+    B, S, H, D = q.shape
+    check.tensor(k, "k", f"[B,T,Hkv,D]=[{B},T,Hkv,{D}]", rank=4)
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k must have shape [B,T,Hkv,D]=[{B},T,Hkv,{D}] to match q, got shape {tuple(k.shape)}")
+    if k.shape[2] == 0 or H % k.shape[2]:
+        raise ValueError(f"the kv heads of k (Hkv={k.shape[2]}) must divide the query heads of q (H={H})")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have the dtype of q ({q.dtype}), got {k.dtype}")
+    bs = check.int_in_range(block_size, "block_size", 1, 2**31 - 1)
+    for name, val in (("topk_blocks", topk_blocks), ("sink_blocks", sink_blocks), ("local_blocks", local_blocks)):
+        check.int_in_range(val, name, 0, 2**31 - 1)
+    if pooling not in ("mean", "minmax"):
+        raise ValueError(f"pooling must be 'mean' or 'minmax', got {pooling!r}")
+    device = check.same_device(q=q, k=k)
+    qs = check.q_start(q_start, B, device)
+    q, k = q.contiguous(), k.contiguous()
+    args = (q, k, bs, topk_blocks, causal, sink_blocks, local_blocks, pooling, qs)
+    num, idx = dispatch("block_topk_mask", device, {
+        "cpp": lambda: cpp_ops().block_topk_mask(*args),
+        "triton": lambda: triton_module("attention", device).block_topk_mask(*args),
+        "reference": lambda: reference.block_topk_mask(q, k, block_size=bs, topk_blocks=topk_blocks, causal=causal,
+                                                       sink_blocks=sink_blocks, local_blocks=local_blocks,
+                                                       pooling=pooling, q_start=qs),
+    })
+    return BlockMask(num, idx, bs)
+
+
+def block_sparse_attention(q, k, v, block_mask, *, scale=None, causal: bool = True, q_start=None):
+    """(out [B,S,Hq,Dv], lse fp32 [B,S,Hq]): attention restricted to the key
+    blocks of block_mask (a glm5_ops.BlockMask, or a torch FlexAttention
+    BlockMask whose block structure is used; its mask_mod is not run, so pass
+    causal=True for the usual causal mask). causal applies t <= q_start[b] + s
+    token by token inside the selected blocks. scale defaults to 1/sqrt(Dk)."""
+    q, k, v, device = _check_qkv(q, k, v)
+    B, S, Hq, Dk = q.shape
+    T = k.shape[1]
+    mask = _check_block_mask(_as_block_mask(block_mask), B, S, Hq, T, device)
+    sc = _scale(scale, Dk)
+    qs = check.q_start(q_start, B, device)
+    backend = current_backend(device)
+    if backend == "triton":
+        return _TritonBlockSparse.apply(q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.block_size, sc, causal, qs)
+    return dispatch("block_sparse_attention", device, {
+        "cpp": lambda: cpp_ops().block_sparse_attention_fwd(q, k, v, mask.kv_num_blocks, mask.kv_indices,
+                                                            mask.block_size, sc, causal, qs),
+        "reference": lambda: reference.block_sparse_attention(q, k, v, mask.kv_num_blocks, mask.kv_indices,
+                                                              block_size=mask.block_size, scale=sc, causal=causal,
+                                                              q_start=qs),
+    })
+
+
+def attention_recall(q, k, v, selection, *, scale=None, causal: bool = True, q_start=None):
+    """What a selection keeps of dense attention: reference.attention_recall
+    (softmax mass covered per query and head, and the output's relative
+    error). selection: indices [B,S,topk] or a BlockMask."""
+    if isinstance(selection, BlockMask):
+        selection = tuple(selection)
+    return reference.attention_recall(q, k, v, selection, scale=_scale(scale, q.shape[-1]), causal=causal,
+                                      q_start=q_start)
+
+
+# ------------------------------------------------ autograd and fakes --
+# "cpp": autograd is registered on the ops themselves (so torch.compile and
+# opcheck see it); "triton": an autograd.Function around the Triton kernels;
+# "reference": autograd through the oracle.
+
+class _TritonSparse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, idx, scale, causal, qs):
+        out, lse = triton_module("attention", q.device).sparse_attention_fwd(q, k, v, idx, scale, causal, qs)
+        ctx.save_for_backward(q, k, v, idx, out, lse, qs)
+        ctx.args = (scale, causal)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, idx, out, lse, qs = ctx.saved_tensors
+        scale, causal = ctx.args
+        dq, dk, dv = triton_module("attention", q.device).sparse_attention_bwd(
+            dout.contiguous(), q, k, v, idx, out, lse, scale, causal, qs)
+        return dq, dk, dv, None, None, None, None
+
+
+class _TritonBlockSparse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, num, idx, block_size, scale, causal, qs):
+        out, lse = triton_module("attention", q.device).block_sparse_attention_fwd(
+            q, k, v, num, idx, block_size, scale, causal, qs)
+        ctx.save_for_backward(q, k, v, num, idx, out, lse, qs)
+        ctx.args = (block_size, scale, causal)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, num, idx, out, lse, qs = ctx.saved_tensors
+        block_size, scale, causal = ctx.args
+        dq, dk, dv = triton_module("attention", q.device).block_sparse_attention_bwd(
+            dout.contiguous(), q, k, v, num, idx, out, lse, block_size, scale, causal, qs)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+if _C is not None:
+
+    def _attn_fake(q, v):
+        B, S, Hq, _ = q.shape
+        return q.new_empty((B, S, Hq, v.shape[3])), q.new_empty((B, S, Hq), dtype=torch.float32)
+
+    @torch.library.register_fake("glm5::sparse_attention_fwd")
+    def _sparse_fwd_fake(q, k, v, indices, scale, causal, q_start):
+        return _attn_fake(q, v)
+
+    @torch.library.register_fake("glm5::block_sparse_attention_fwd")
+    def _block_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_size, scale, causal, q_start):
+        return _attn_fake(q, v)
+
+    def _grads_fake(q, k, v):
+        return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    @torch.library.register_fake("glm5::sparse_attention_bwd")
+    def _sparse_bwd_fake(dout, q, k, v, indices, out, lse, scale, causal, q_start):
+        return _grads_fake(q, k, v)
+
+    @torch.library.register_fake("glm5::block_sparse_attention_bwd")
+    def _block_bwd_fake(dout, q, k, v, kv_num_blocks, kv_indices, out, lse, block_size, scale, causal, q_start):
+        return _grads_fake(q, k, v)
+
+    @torch.library.register_fake("glm5::block_topk_mask")
+    def _block_topk_fake(q, k, block_size, topk_blocks, causal, sink_blocks, local_blocks, pooling, q_start):
+        B, S, H, _ = q.shape
+        Qb, Kb = -(-S // block_size), -(-k.shape[1] // block_size)
+        width = min(Kb, sink_blocks + local_blocks + topk_blocks)
+        return (q.new_empty((B, H, Qb), dtype=torch.int32), q.new_empty((B, H, Qb, width), dtype=torch.int32))
+
+    def _save_inputs_outputs(ctx, inputs, output):
+        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)], *output)
+        ctx.non_tensor = [a for a in inputs if not isinstance(a, torch.Tensor)]
+        ctx.has_q_start = inputs[-1] is not None
+        ctx.mark_non_differentiable(output[1])
+
+    def _unpack(ctx, n_tensor_inputs):
+        saved = list(ctx.saved_tensors)
+        tensors, (out, lse) = saved[:n_tensor_inputs], saved[n_tensor_inputs:]
+        qs = tensors.pop() if ctx.has_q_start else None
+        return tensors, out, lse, qs
+
+    def _sparse_bwd(ctx, dout, _dlse):
+        n = 4 + ctx.has_q_start
+        (q, k, v, idx), out, lse, qs = _unpack(ctx, n)
+        scale, causal = ctx.non_tensor[:2]
+        dq, dk, dv = torch.ops.glm5.sparse_attention_bwd(dout.contiguous(), q, k, v, idx, out, lse, scale, causal, qs)
+        return dq, dk, dv, None, None, None, None
+
+    def _block_bwd(ctx, dout, _dlse):
+        n = 5 + ctx.has_q_start
+        (q, k, v, num, idx), out, lse, qs = _unpack(ctx, n)
+        block_size, scale, causal = ctx.non_tensor[:3]
+        dq, dk, dv = torch.ops.glm5.block_sparse_attention_bwd(dout.contiguous(), q, k, v, num, idx, out, lse,
+                                                               block_size, scale, causal, qs)
+        return dq, dk, dv, None, None, None, None, None, None
+
+    torch.library.register_autograd("glm5::sparse_attention_fwd", _sparse_bwd, setup_context=_save_inputs_outputs)
+    torch.library.register_autograd("glm5::block_sparse_attention_fwd", _block_bwd,
+                                    setup_context=_save_inputs_outputs)
