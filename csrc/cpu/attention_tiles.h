@@ -1,0 +1,286 @@
+// Register-blocked fp32 micro-kernels shared by the CPU attention kernels.
+//
+// Sparse attention never has a dense K matrix: the keys of a tile are rows
+// scattered through k (the selected tokens), so every kernel here takes an
+// array of row pointers instead of a leading dimension. That lets the fp32
+// kernels read k and v in place (no gather copy; the hardware prefetcher
+// streams each 4*D-byte row) and makes token-level and block-sparse tiles one
+// code path. Three products cover forward and backward:
+//   dots:    C[i][j]  = sum_d A[i][d] * R_j[d]        (S = Q K^T, dP = dO V^T)
+//   gather:  C[i][:] += sum_j W[i][j] * R_j[:]        (O += P V, dQ += dS K)
+//   scatter: R_j[:]  += sum_i W[i][j] * A[i][:]       (dK += dS^T Q, dV += P^T dO)
+// Blocking: 4 x 2 (dots: 4 rows of R, 2 rows of A, a vector of D each) or
+// 4 rows x 2 vectors of output (gather/scatter) keep 8 accumulators plus the
+// operands inside the 16 AVX2 registers, so the loops are FMA-bound.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace glm5 {
+namespace cpu {
+namespace tiles {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+inline float hsum(const Vec& v) {
+  alignas(64) float buf[W];
+  v.store(buf);
+  float s = 0.f;
+  for (int64_t i = 0; i < W; ++i) s += buf[i];
+  return s;
+}
+
+inline Vec load(const float* p, int64_t n) { return n >= W ? Vec::loadu(p) : Vec::loadu(p, n); }
+
+// Horizontal sums of 2 x 4 accumulators, stored to c0[0..4) and c1[0..4).
+// With AVX2 one hadd tree reduces all eight (~10 instructions instead of
+// eight separate reductions, which would cost as much as the dot products).
+inline void store_sums_2x4(const Vec* a, const Vec* b, float* c0, float* c1) {
+#if (defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)) && defined(__AVX2__)
+#if defined(CPU_CAPABILITY_AVX512)
+  // Fold each 16-lane accumulator to 8 lanes first (lower + upper half).
+  auto h = [](const Vec& v) {
+    const __m512 x = v;
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  };
+#else
+  auto h = [](const Vec& v) { return static_cast<__m256>(v); };
+#endif
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(h(a[0]), h(a[1])), _mm256_hadd_ps(h(a[2]), h(a[3])));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(h(b[0]), h(b[1])), _mm256_hadd_ps(h(b[2]), h(b[3])));
+  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  _mm_storeu_ps(c0, _mm256_castps256_ps128(r));
+  _mm_storeu_ps(c1, _mm256_extractf128_ps(r, 1));
+#else
+  for (int r = 0; r < 4; ++r) c0[r] = hsum(a[r]), c1[r] = hsum(b[r]);
+#endif
+}
+
+// C[i * ldc + j] = sum_d A[i * lda + d] * R[j][d] for i < M, j < N, d < D.
+// Blocks of 2 rows of A x 4 rows of R: 8 accumulators, 6 loads per 8 FMAs.
+inline void dots(const float* A, int64_t lda, int64_t M, const float* const* R, int64_t N, int64_t D, float* C,
+                 int64_t ldc) {
+  const int64_t Dfull = D - D % W;
+  int64_t j = 0;
+  for (; j + 4 <= N; j += 4) {
+    const float* r[4] = {R[j], R[j + 1], R[j + 2], R[j + 3]};
+    for (int64_t i = 0; i < M; i += 2) {
+      const bool two = i + 1 < M;
+      const float* a0 = A + i * lda;
+      const float* a1 = two ? a0 + lda : a0;  // a lone last row computes itself twice
+      Vec c0[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)}, c1[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+      auto step = [&](const Vec& x0, const Vec& x1, int64_t d, int64_t n) {
+        for (int q = 0; q < 4; ++q) {
+          const Vec kv = n == W ? Vec::loadu(r[q] + d) : Vec::loadu(r[q] + d, n);
+          c0[q] = at::vec::fmadd(x0, kv, c0[q]);
+          c1[q] = at::vec::fmadd(x1, kv, c1[q]);
+        }
+      };
+      for (int64_t d = 0; d < Dfull; d += W) step(Vec::loadu(a0 + d), Vec::loadu(a1 + d), d, W);
+      if (Dfull < D) step(Vec::loadu(a0 + Dfull, D - Dfull), Vec::loadu(a1 + Dfull, D - Dfull), Dfull, D - Dfull);
+      float tmp[4];
+      store_sums_2x4(c0, c1, C + i * ldc + j, two ? C + (i + 1) * ldc + j : tmp);
+    }
+  }
+  for (; j < N; ++j) {
+    const float* r = R[j];
+    for (int64_t i = 0; i < M; ++i) {
+      const float* a = A + i * lda;
+      Vec c(0.f);
+      for (int64_t d = 0; d < D; d += W) c = at::vec::fmadd(load(a + d, D - d), load(r + d, D - d), c);
+      C[i * ldc + j] = hsum(c);
+    }
+  }
+}
+
+// Transposed scores for many heads: C[j * ldc + h] = sum_d AT[d * lda + h] * R[j][d]
+// for j < N and h < Mp, where AT is A transposed ([D][Mp], Mp a multiple of W,
+// padding heads zero). Vectorised across heads, each key element is broadcast
+// once per vector of heads: no horizontal sums, 9 loads per 8 FMAs. This is
+// the shape MQA/MLA queries have (G = Hq/Hkv >= W heads share every key).
+inline void dots_t(const float* AT, int64_t lda, int64_t Mp, const float* const* R, int64_t N, int64_t D, float* C,
+                   int64_t ldc) {
+  for (int64_t h = 0; h < Mp; h += W) {
+    int64_t j = 0;
+    for (; j + 8 <= N; j += 8) {
+      const float* r[8];
+      Vec c[8];
+      for (int q = 0; q < 8; ++q) r[q] = R[j + q], c[q] = Vec(0.f);
+      for (int64_t d = 0; d < D; ++d) {
+        const Vec a = Vec::loadu(AT + d * lda + h);
+        for (int q = 0; q < 8; ++q) c[q] = at::vec::fmadd(Vec(r[q][d]), a, c[q]);
+      }
+      for (int q = 0; q < 8; ++q) c[q].store(C + (j + q) * ldc + h);
+    }
+    for (; j < N; ++j) {
+      const float* r = R[j];
+      Vec c(0.f);
+      for (int64_t d = 0; d < D; ++d) c = at::vec::fmadd(Vec(r[d]), Vec::loadu(AT + d * lda + h), c);
+      c.store(C + j * ldc + h);
+    }
+  }
+}
+
+// C[i * ldc + :D] += sum_j Wt[i * wi + j * wj] * R[j][:D] for i < M, j < N.
+inline void gather(const float* Wt, int64_t wi, int64_t wj, int64_t M, const float* const* R, int64_t N, int64_t D,
+                   float* C, int64_t ldc) {
+  for (int64_t d = 0; d < D; d += 2 * W) {
+    const int64_t n0 = std::min<int64_t>(W, D - d), n1 = std::max<int64_t>(0, std::min<int64_t>(W, D - d - W));
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) {
+      float* c[4] = {C + i * ldc + d, C + (i + 1) * ldc + d, C + (i + 2) * ldc + d, C + (i + 3) * ldc + d};
+      const float* w[4] = {Wt + i * wi, Wt + (i + 1) * wi, Wt + (i + 2) * wi, Wt + (i + 3) * wi};
+      Vec a0[4], a1[4];
+      for (int r = 0; r < 4; ++r) {
+        a0[r] = load(c[r], n0);
+        a1[r] = n1 ? load(c[r] + W, n1) : Vec(0.f);
+      }
+      for (int64_t j = 0; j < N; ++j) {
+        const Vec v0 = load(R[j] + d, n0), v1 = n1 ? load(R[j] + d + W, n1) : Vec(0.f);
+        for (int r = 0; r < 4; ++r) {
+          const Vec p(w[r][j * wj]);
+          a0[r] = at::vec::fmadd(p, v0, a0[r]);
+          a1[r] = at::vec::fmadd(p, v1, a1[r]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        a0[r].store(c[r], n0);
+        if (n1) a1[r].store(c[r] + W, n1);
+      }
+    }
+    for (; i < M; ++i) {
+      float* c = C + i * ldc + d;
+      const float* w = Wt + i * wi;
+      Vec a0 = load(c, n0), a1 = n1 ? load(c + W, n1) : Vec(0.f);
+      for (int64_t j = 0; j < N; ++j) {
+        const Vec p(w[j * wj]);
+        a0 = at::vec::fmadd(p, load(R[j] + d, n0), a0);
+        if (n1) a1 = at::vec::fmadd(p, load(R[j] + d + W, n1), a1);
+      }
+      a0.store(c, n0);
+      if (n1) a1.store(c + W, n1);
+    }
+  }
+}
+
+// R[j][:D] += sum_i Wt[i * wi + j * wj] * A[i * lda + :D] for j < N, i < M.
+inline void scatter(const float* Wt, int64_t wi, int64_t wj, int64_t M, const float* A, int64_t lda, int64_t N,
+                    int64_t D, float* const* R) {
+  for (int64_t d = 0; d < D; d += 2 * W) {
+    const int64_t n0 = std::min<int64_t>(W, D - d), n1 = std::max<int64_t>(0, std::min<int64_t>(W, D - d - W));
+    int64_t j = 0;
+    for (; j + 4 <= N; j += 4) {
+      Vec a0[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)}, a1[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+      for (int64_t i = 0; i < M; ++i) {
+        const float* a = A + i * lda + d;
+        const Vec x0 = load(a, n0), x1 = n1 ? load(a + W, n1) : Vec(0.f);
+        const float* w = Wt + i * wi + j * wj;
+        for (int r = 0; r < 4; ++r) {
+          const Vec p(w[r * wj]);
+          a0[r] = at::vec::fmadd(p, x0, a0[r]);
+          a1[r] = at::vec::fmadd(p, x1, a1[r]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        float* dst = R[j + r] + d;
+        (load(dst, n0) + a0[r]).store(dst, n0);
+        if (n1) (load(dst + W, n1) + a1[r]).store(dst + W, n1);
+      }
+    }
+    for (; j < N; ++j) {
+      Vec a0(0.f), a1(0.f);
+      for (int64_t i = 0; i < M; ++i) {
+        const float* a = A + i * lda + d;
+        const Vec p(Wt[i * wi + j * wj]);
+        a0 = at::vec::fmadd(p, load(a, n0), a0);
+        if (n1) a1 = at::vec::fmadd(p, load(a + W, n1), a1);
+      }
+      float* dst = R[j] + d;
+      (load(dst, n0) + a0).store(dst, n0);
+      if (n1) (load(dst + W, n1) + a1).store(dst + W, n1);
+    }
+  }
+}
+
+// exp(x) for a vector, exact 0 for x = -inf (masked slots). exp_u20 is
+// at::vec's inline polynomial (max error 20 ulp, ~1e-6 relative): the
+// per-score exp costs as much as a 16-wide dot product in scalar code.
+inline Vec exp_masked(const Vec& x) {
+  const Vec e = x.exp_u20();
+  return Vec::blendv(e, Vec(0.f), x == Vec(-std::numeric_limits<float>::infinity()));
+}
+
+// One row of the online softmax (FlashAttention): folds the scores s[0..n)
+// (already scaled; -inf = masked) into the running max m and sum l, rescales
+// the output row o[0..Dv) by exp(m_old - m_new) and overwrites s with p.
+inline void online_softmax_row(float* s, int64_t n, float& m, float& l, float* o, int64_t Dv) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  Vec vmx(m);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) vmx = at::vec::maximum(vmx, Vec::loadu(s + j));
+  float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmx);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  if (mx == kNegInf) {  // nothing visible yet: p = 0
+    std::fill(s, s + n, 0.f);
+    return;
+  }
+  const float alpha = (m == kNegInf) ? 0.f : std::exp(m - mx);
+  const Vec vm(mx);
+  Vec vsum(0.f);
+  for (j = 0; j < n; j += W) {
+    const int64_t c = std::min<int64_t>(W, n - j);
+    Vec p = exp_masked(load(s + j, c) - vm);
+    if (c < W) p = Vec::set(Vec(0.f), p, c);
+    p.store(s + j, c);
+    vsum = vsum + p;
+  }
+  if (alpha != 1.f) {
+    const Vec va(alpha);
+    for (int64_t d = 0; d < Dv; d += W) (load(o + d, Dv - d) * va).store(o + d, std::min<int64_t>(W, Dv - d));
+  }
+  l = l * alpha + hsum(vsum);
+  m = mx;
+}
+
+// Scores of many heads laid out [key][Mp] (dots_t's output): the online
+// softmax of every column h < Mp over keys j < n, vectorised across heads.
+// Updates the running max m[Mp] and sum l[Mp], writes p over s, and returns
+// in alpha[Mp] the factor exp(m_old - m_new) the caller rescales O rows by.
+// Every key of the tile must be visible (token-level tiles hold only those).
+inline void online_softmax_cols(float* s, int64_t ld, int64_t n, int64_t Mp, float* m, float* l, float* alpha) {
+  for (int64_t h = 0; h < Mp; h += W) {
+    const Vec m_old = Vec::loadu(m + h);
+    Vec mx = m_old;
+    for (int64_t j = 0; j < n; ++j) mx = at::vec::maximum(mx, Vec::loadu(s + j * ld + h));
+    const Vec a = exp_masked(m_old - mx);  // 0 on the first tile (m_old = -inf)
+    Vec sum(0.f);
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec p = (Vec::loadu(s + j * ld + h) - mx).exp_u20();
+      p.store(s + j * ld + h);
+      sum = sum + p;
+    }
+    (Vec::loadu(l + h) * a + sum).store(l + h);
+    mx.store(m + h);
+    a.store(alpha + h);
+  }
+}
+
+// s[j] = exp(s[j] - c) for j < n (c finite).
+inline void exp_shifted(float* s, int64_t n, float c) {
+  const Vec vc(c);
+  for (int64_t j = 0; j < n; j += W) {
+    const int64_t k = std::min<int64_t>(W, n - j);
+    exp_masked(load(s + j, k) - vc).store(s + j, k);
+  }
+}
+
+}  // namespace tiles
+}  // namespace cpu
+}  // namespace glm5

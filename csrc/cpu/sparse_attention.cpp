@@ -1,0 +1,246 @@
+// Token-level sparse attention (DSA) on the CPU, forward and backward.
+//
+// One work item is one query (b, s) with all its heads: its selected keys are
+// filtered once (-1 and causally future slots dropped), then for each kv head
+// g the G = Hq/Hkv query heads that read it form the M rows of every product,
+// so each selected key row is fetched once and serves all G heads (FlashMLA's
+// sparse-prefill layout: MQA/MLA with G = 16..128 makes this compute-bound).
+// Keys stream in tiles of kTile: S = Q K^T (scaled Q), online softmax,
+// O += P V, all in fp32 through the register-blocked kernels of
+// attention_tiles.h, which read k and v rows in place (no gather copy for
+// fp32; v may alias k, as in MLA's absorbed form). Nothing of size T per
+// query exists: scratch is O(G * kTile + G * D) per worker.
+//
+// Backward recomputes P from the saved lse (FlashAttention-2):
+//   dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K,
+//   dK += dS^T (scale * Q), dV += P^T dO
+// dQ is owned by the item; dK and dV go to per-worker buffers (attention_common.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "checks.h"
+#include "cpu/attention_common.h"
+#include "cpu/attention_tiles.h"
+#include "cpu/parallel.h"
+
+namespace glm5 {
+namespace cpu {
+namespace {
+
+constexpr int64_t kTile = 64;  // selected keys per tile
+
+// The contributing key positions of query (b, s), in slot order.
+int64_t visible_keys(const int32_t* slots, int64_t topk, bool causal, int64_t pos, int32_t* keys) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < topk; ++j) {
+    const int32_t t = slots[j];
+    if (t >= 0 && (!causal || t <= pos)) keys[n++] = t;
+  }
+  return n;
+}
+
+// Two layouts for the [G heads x kTile keys] score tile. Few heads (MHA,
+// small GQA groups): rows per head, S = Q K^T by dot products (tiles::dots).
+// Many heads (G >= one vector: MQA/MLA): [key][Gp] with Gp = G rounded up to
+// the vector width, computed vectorised across heads from a transposed Q
+// (tiles::dots_t), which needs no horizontal sums. Element (h, j) of the tile
+// sits at h * wi + j * wj either way, which is all the products need.
+struct Layout {
+  bool by_key;
+  int64_t G, Gp;
+  explicit Layout(int64_t G_) : by_key(G_ >= tiles::W), G(G_), Gp(by_key ? (G_ + tiles::W - 1) / tiles::W * tiles::W : G_) {}
+  int64_t wi() const { return by_key ? 1 : kTile; }
+  int64_t wj() const { return by_key ? Gp : 1; }
+};
+
+struct Scratch {
+  Layout lay;
+  std::vector<int32_t> keys;
+  std::vector<const float*> krows, vrows;
+  std::vector<float*> dkrows, dvrows;
+  // qs: scale * Q rows of one kv head, [G][Dk] (by_key: transposed [Dk][Gp], zero padded)
+  // dot: dO the same way, [G][Dv] or [Dv][Gp]; s, dp: score tiles; o: output rows [G][Dv]
+  std::vector<float> qs, dot, s, dp, o, m, l, alpha, lse, delta;
+  Scratch(const AttentionInputs& in, int64_t topk)
+      : lay(in.G), keys(topk), krows(kTile), vrows(kTile), dkrows(kTile), dvrows(kTile),
+        qs(lay.Gp * in.Dk, 0.f), dot(lay.Gp * in.Dv, 0.f), s(lay.Gp * kTile), dp(lay.Gp * kTile), o(in.G * in.Dv),
+        m(lay.Gp), l(lay.Gp), alpha(lay.Gp), lse(lay.Gp, 0.f), delta(lay.Gp, 0.f) {}
+
+  // G rows of D values (row stride D) into buf, scaled, in this layout.
+  void load_rows(const float* src, int64_t D, float scale, std::vector<float>& buf) const {
+    for (int64_t h = 0; h < lay.G; ++h)
+      for (int64_t d = 0; d < D; ++d) buf[lay.by_key ? d * lay.Gp + h : h * D + d] = src[h * D + d] * scale;
+  }
+  // scores[h, j] = sum_d A[h, d] * rows[j][d] for the tile's nt keys.
+  void scores(const std::vector<float>& A, const float* const* rows, int64_t nt, int64_t D, float* out) const {
+    if (lay.by_key)
+      tiles::dots_t(A.data(), lay.Gp, lay.Gp, rows, nt, D, out, lay.Gp);
+    else
+      tiles::dots(A.data(), D, lay.G, rows, nt, D, out, kTile);
+  }
+};
+
+void set_rows(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* keys, int64_t n, Scratch& sc) {
+  for (int64_t j = 0; j < n; ++j) {
+    sc.krows[j] = in.krow(b, keys[j], g);
+    sc.vrows[j] = in.vrow(b, keys[j], g);
+  }
+}
+
+// Online softmax of the tile (p written over sc.s) and the O rows rescaled.
+void softmax_tile(Scratch& sc, int64_t nt, int64_t Dv) {
+  const Layout& L = sc.lay;
+  if (L.by_key) {
+    tiles::online_softmax_cols(sc.s.data(), L.Gp, nt, L.Gp, sc.m.data(), sc.l.data(), sc.alpha.data());
+    for (int64_t h = 0; h < L.G; ++h)
+      if (sc.alpha[h] != 1.f)
+        for (int64_t d = 0; d < Dv; ++d) sc.o[h * Dv + d] *= sc.alpha[h];
+  } else {
+    for (int64_t h = 0; h < L.G; ++h)
+      tiles::online_softmax_row(sc.s.data() + h * kTile, nt, sc.m[h], sc.l[h], sc.o.data() + h * Dv, Dv);
+  }
+}
+
+// Backward of the softmax on one tile: p = exp(s - lse) over sc.s and
+// ds = p * (dp - delta) over sc.dp, vectorised along the tile's rows.
+void softmax_grad_tile(Scratch& sc, int64_t nt) {
+  using tiles::Vec;
+  const Layout& L = sc.lay;
+  if (L.by_key) {  // rows are keys, lanes are heads (padding heads: p = 1, ds = 0)
+    for (int64_t j = 0; j < nt; ++j)
+      for (int64_t h = 0; h < L.Gp; h += tiles::W) {
+        float *s = sc.s.data() + j * L.Gp + h, *dp = sc.dp.data() + j * L.Gp + h;
+        const Vec p = tiles::exp_masked(Vec::loadu(s) - Vec::loadu(sc.lse.data() + h));
+        p.store(s);
+        (p * (Vec::loadu(dp) - Vec::loadu(sc.delta.data() + h))).store(dp);
+      }
+    return;
+  }
+  for (int64_t h = 0; h < L.G; ++h) {
+    float *s = sc.s.data() + h * kTile, *dp = sc.dp.data() + h * kTile;
+    tiles::exp_shifted(s, nt, sc.lse[h]);
+    const Vec delta(sc.delta[h]);
+    for (int64_t j = 0; j < nt; j += tiles::W) {
+      const int64_t c = std::min<int64_t>(tiles::W, nt - j);
+      (tiles::load(s + j, c) * (tiles::load(dp + j, c) - delta)).store(dp + j, c);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& indices,
+                                                            double scale, bool causal,
+                                                            const c10::optional<at::Tensor>& q_start) {
+  check_attention_qkv(q, k, v);
+  check_sparse_indices(q, indices);
+  check_q_start(q_start, q.size(0), q.device());
+  const AttentionInputs in(q, k, v, q_start);
+  const int64_t topk = indices.size(2), G = in.G, Dk = in.Dk, Dv = in.Dv;
+  at::Tensor out = at::empty({in.B, in.S, in.Hq, Dv}, q.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({in.B, in.S, in.Hq}, q.options().dtype(at::kFloat));
+  const int32_t* idx = indices.const_data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float sc_f = static_cast<float>(scale);
+
+  parallel_dynamic(in.B * in.S, [&] { return Scratch(in, topk); }, [&](int64_t item, Scratch& sc) {
+    const int64_t b = item / in.S, s = item % in.S;
+    const int64_t n = visible_keys(idx + item * topk, topk, causal, in.q_start[b] + s, sc.keys.data());
+    const Layout& L = sc.lay;
+    for (int64_t g = 0; g < in.Hkv; ++g) {
+      sc.load_rows(in.qrow(b, s, g * G), Dk, sc_f, sc.qs);
+      std::fill(sc.o.begin(), sc.o.end(), 0.f);
+      std::fill(sc.m.begin(), sc.m.end(), kNegInf);
+      std::fill(sc.l.begin(), sc.l.end(), 0.f);
+      for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+        const int64_t nt = std::min(kTile, n - t0);
+        set_rows(in, b, g, sc.keys.data() + t0, nt, sc);
+        sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
+        softmax_tile(sc, nt, Dv);
+        tiles::gather(sc.s.data(), L.wi(), L.wj(), G, sc.vrows.data(), nt, Dv, sc.o.data(), Dv);
+      }
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t row = item * in.Hq + g * G + h;
+        const float inv = sc.l[h] > 0.f ? 1.f / sc.l[h] : 0.f;
+        for (int64_t d = 0; d < Dv; ++d) op[row * Dv + d] = sc.o[h * Dv + d] * inv;
+        lp[row] = sc.l[h] > 0.f ? sc.m[h] + std::log(sc.l[h]) : kNegInf;
+      }
+    }
+  });
+  return {to_dtype(out, q.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& indices,
+    const at::Tensor& out, const at::Tensor& lse, double scale, bool causal, const c10::optional<at::Tensor>& q_start) {
+  check_attention_qkv(q, k, v);
+  check_sparse_indices(q, indices);
+  check_q_start(q_start, q.size(0), q.device());
+  check_attention_grads(dout, q, v, out, lse);
+  const AttentionInputs in(q, k, v, q_start);
+  const int64_t topk = indices.size(2), G = in.G, Dk = in.Dk, Dv = in.Dv;
+  const at::Tensor do32 = dout.to(at::kFloat).contiguous(), o32 = out.to(at::kFloat).contiguous();
+  const at::Tensor lse_c = lse.contiguous();
+  at::Tensor dq = at::empty({in.B, in.S, in.Hq, Dk}, q.options().dtype(at::kFloat));
+  const int32_t* idx = indices.const_data_ptr<int32_t>();
+  const float *dop = do32.const_data_ptr<float>(), *oo = o32.const_data_ptr<float>();
+  const float* lp = lse_c.const_data_ptr<float>();
+  float* dqp = dq.data_ptr<float>();
+  const float sc_f = static_cast<float>(scale);
+  KVGradBuffers grads(in, in.B * in.S);
+
+  struct BwdScratch : Scratch {
+    float *dk, *dv;
+    BwdScratch(const AttentionInputs& in, int64_t topk, KVGradBuffers& g) : Scratch(in, topk) {
+      std::tie(dk, dv) = g.claim();
+    }
+  };
+  parallel_dynamic(in.B * in.S, [&] { return BwdScratch(in, topk, grads); }, [&](int64_t item, BwdScratch& sc) {
+    const int64_t b = item / in.S, s = item % in.S;
+    const int64_t n = visible_keys(idx + item * topk, topk, causal, in.q_start[b] + s, sc.keys.data());
+    const Layout& L = sc.lay;
+    for (int64_t g = 0; g < in.Hkv; ++g) {
+      const int64_t row0 = item * in.Hq + g * G;  // (b, s, head g*G)
+      float* dqg = dqp + row0 * Dk;
+      std::fill(dqg, dqg + G * Dk, 0.f);
+      if (n == 0) continue;
+      const float* dog = dop + row0 * Dv;
+      sc.load_rows(in.qrow(b, s, g * G), Dk, sc_f, sc.qs);
+      sc.load_rows(dog, Dv, 1.f, sc.dot);
+      for (int64_t h = 0; h < G; ++h) {
+        sc.delta[h] = dot(dog + h * Dv, oo + (row0 + h) * Dv, Dv);
+        sc.lse[h] = lp[row0 + h];
+      }
+      for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+        const int64_t nt = std::min(kTile, n - t0);
+        set_rows(in, b, g, sc.keys.data() + t0, nt, sc);
+        for (int64_t j = 0; j < nt; ++j) {
+          const int64_t r = (b * in.T + sc.keys[t0 + j]) * in.Hkv + g;
+          sc.dkrows[j] = sc.dk + r * Dk;
+          sc.dvrows[j] = sc.dv + r * Dv;
+        }
+        sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());     // scale * q.k
+        sc.scores(sc.dot, sc.vrows.data(), nt, Dv, sc.dp.data());   // dO . v
+        softmax_grad_tile(sc, nt);
+        tiles::gather(sc.dp.data(), L.wi(), L.wj(), G, sc.krows.data(), nt, Dk, dqg, Dk);
+        const float* q_rows = in.qrow(b, s, g * G);  // dk += ds^T (scale * q): scale applied below
+        tiles::scatter(sc.dp.data(), L.wi(), L.wj(), G, q_rows, Dk, nt, Dk, sc.dkrows.data());
+        tiles::scatter(sc.s.data(), L.wi(), L.wj(), G, dog, Dv, nt, Dv, sc.dvrows.data());
+      }
+      for (int64_t i = 0; i < G * Dk; ++i) dqg[i] *= sc_f;
+    }
+  });
+  auto [dk, dv] = grads.sum();
+  dk.mul_(sc_f);  // every dk contribution carries one factor of scale
+  return {to_dtype(dq, q.scalar_type()), to_dtype(dk, k.scalar_type()), to_dtype(dv, v.scalar_type())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(glm5, CPU, m) {
+  m.impl("sparse_attention_fwd", &sparse_attention_fwd_cpu);
+  m.impl("sparse_attention_bwd", &sparse_attention_bwd_cpu);
+}
+
+}  // namespace cpu
+}  // namespace glm5
