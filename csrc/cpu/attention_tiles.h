@@ -253,16 +253,19 @@ inline void online_softmax_row(float* s, int64_t n, float& m, float& l, float* o
 // softmax of every column h < Mp over keys j < n, vectorised across heads.
 // Updates the running max m[Mp] and sum l[Mp], writes p over s, and returns
 // in alpha[Mp] the factor exp(m_old - m_new) the caller rescales O rows by.
-// Every key of the tile must be visible (token-level tiles hold only those).
+// Masked scores are -inf; a column with nothing visible yet keeps p = 0.
 inline void online_softmax_cols(float* s, int64_t ld, int64_t n, int64_t Mp, float* m, float* l, float* alpha) {
+  const Vec neg_inf(-std::numeric_limits<float>::infinity());
   for (int64_t h = 0; h < Mp; h += W) {
     const Vec m_old = Vec::loadu(m + h);
     Vec mx = m_old;
     for (int64_t j = 0; j < n; ++j) mx = at::vec::maximum(mx, Vec::loadu(s + j * ld + h));
-    const Vec a = exp_masked(m_old - mx);  // 0 on the first tile (m_old = -inf)
+    // The shift: mx, or 0 where the column is still empty (avoids -inf - -inf).
+    const Vec shift = Vec::blendv(mx, Vec(0.f), mx == neg_inf);
+    const Vec a = exp_masked(m_old - shift);  // 0 on the first visible tile (m_old = -inf)
     Vec sum(0.f);
     for (int64_t j = 0; j < n; ++j) {
-      const Vec p = (Vec::loadu(s + j * ld + h) - mx).exp_u20();
+      const Vec p = exp_masked(Vec::loadu(s + j * ld + h) - shift);
       p.store(s + j * ld + h);
       sum = sum + p;
     }
