@@ -789,7 +789,7 @@ def attention_timings(torch, glm5_ops, backends, quick, timer):
             if ms:
                 log(f"    {be}: {flops / ms / 1e9 / 300:.0%} of the 300 TFLOP/s target")
         if not quick or Hq == 64:
-            Sb = 512  # backward at a smaller S (SIMT backward: slow)
+            Sb = 128  # backward at a smaller S (SIMT backward with atomics: slow, ~1e9 atomics here)
             qb = q[:, :Sb].clone().requires_grad_(True)
             kb = kv.clone().requires_grad_(True)
             bflops = 2.5 * flops * Sb / S
