@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One prepared GPU check-and-time run for the indexer family (one H200 window).
+"""One prepared GPU check-and-time run for the indexer and attention families (one H200 window).
 
     python3 bench/gpu_suite.py [--quick] [--skip-build] [--json PATH]
 
@@ -16,6 +16,10 @@
    buffer before every timed call), median of several calls: top-k vs
    torch.topk; indexer_scores / indexer_topk vs the unfused chain
    (einsum -> relu -> weighted head sum -> causal mask -> torch.topk).
+   Attention (names start with "attention."; --only attention): sparse and
+   block-sparse attention forward and backward and block_topk_mask against
+   the float64 reference; timed: the DSA MLA shape (target 300 TFLOP/s) and
+   block-sparse per computed block vs dense SDPA (target >= 60%).
 Prints progress as it goes and a markdown table last; writes all results as
 JSON to --json (default $OUT/gpu_suite.json when $OUT is set). < 8 minutes.
 Each (section, backend) runs in its own child process: a sticky CUDA error or
@@ -310,6 +314,8 @@ def checks(torch, glm5_ops, backends, quick, dev="cuda"):
                 run_check(f"indexer_scores/{backend}: {tag}", one_scores)
                 run_check(f"indexer_topk/{backend}: {tag} topk={topk}", one_topk)
 
+    attention_checks(torch, glm5_ops, backends, quick, dev, g)
+
 
 # --------------------------------------------------------------------------- timing
 
@@ -453,6 +459,387 @@ def timings(torch, glm5_ops, backends, quick):
                             f"runs differ in {(a != b).sum().item()} entries (race?)"
                     run_check(f"indexer_scores/{be}: repeatable at B={B} S={S} T={T}", det)
         del q, w, k
+        torch.cuda.empty_cache()
+
+    attention_timings(torch, glm5_ops, backends, quick, timer)
+
+
+# --------------------------------------------------------------------------- attention
+# Checks and timings of sparse_attention, block_sparse_attention (forward and
+# backward) and block_topk_mask. Every check name starts with "attention." so
+# that --only attention selects this section. Outputs are poisoned (NaN-filled
+# empty tensors), the oracle runs in float64 on the same (rounded) inputs.
+
+ATT_TOL = {"float32": (2e-5, 1e-4), "bfloat16": (1.5e-2, 2.5e-2), "float16": (2e-3, 5e-3)}  # (fwd, bwd) rel err
+
+
+def _rel(torch, a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+
+def attention_out_ok(torch, out, lse, ref_out, ref_lse, tol):
+    """Same shape/dtype, same -inf lse pattern, finite where the reference is,
+    relative error of out and max |lse diff| within tolerance."""
+    if out.shape != ref_out.shape or lse.shape != ref_lse.shape or lse.dtype != torch.float32:
+        return False, f"got out {tuple(out.shape)} lse {lse.dtype} {tuple(lse.shape)}, want {tuple(ref_out.shape)}"
+    ninf, rninf = torch.isneginf(lse), torch.isneginf(ref_lse)
+    if not torch.equal(ninf, rninf):
+        return False, f"lse -inf pattern differs in {(ninf != rninf).sum().item()} rows (empty-row handling?)"
+    if not torch.isfinite(out).all():
+        return False, f"{(~torch.isfinite(out)).sum().item()} non-finite outputs (unwritten or NaN)"
+    if ninf.any() and out[ninf].abs().max().item() != 0:
+        return False, "rows with no key must output zeros"
+    fin = ~rninf
+    dl = (lse[fin].double() - ref_lse[fin].double()).abs().max().item() if fin.any() else 0.0
+    err = _rel(torch, out, ref_out)
+    return err <= tol and dl <= 20 * tol, f"out rel err {err:.1e}, max |dlse| {dl:.1e} (tol {tol:.0e})"
+
+
+def grads_ok(torch, got, want, tol):
+    msgs, ok = [], True
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        if b is None:
+            continue
+        if a is None or a.shape != b.shape:
+            return False, f"{name}: missing or wrong shape"
+        if not torch.isfinite(a).all():
+            return False, f"{name}: {(~torch.isfinite(a)).sum().item()} non-finite entries"
+        e = _rel(torch, a, b)
+        ok &= e <= tol
+        msgs.append(f"{name} {e:.1e}")
+    return ok, ", ".join(msgs) + f" (tol {tol:.0e})"
+
+
+def _rand_indices(torch, B, S, T, topk, g, dev, skip=0.1, empty_row=True):
+    """int32 [B,S,topk]: distinct positions per query (random order), some -1
+    slots, and (empty_row) one query whose slots are all -1."""
+    idx = torch.rand(B, S, T, device=dev, generator=g).topk(topk, dim=-1).indices
+    drop = torch.rand(B, S, topk, device=dev, generator=g) < skip
+    idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    if empty_row:
+        idx[0, S // 2] = -1
+    return idx.to(torch.int32)
+
+
+def _rand_block_mask(torch, B, H, S, T, bs, g, dev):
+    """A mask with random, unsorted rows of distinct blocks and garbage (-7)
+    past kv_num_blocks; one empty row."""
+    Qb, Kb = -(-S // bs), -(-T // bs)
+    num = torch.randint(0, Kb + 1, (B, H, Qb), device=dev, generator=g, dtype=torch.int32)
+    order = torch.rand(B, H, Qb, Kb, device=dev, generator=g).argsort(-1).to(torch.int32)
+    used = torch.arange(Kb, device=dev) < num[..., None]
+    idx = torch.where(used, order, torch.full_like(order, -7))
+    num[0, 0, 0] = 0
+    return num, idx
+
+
+def _kv(torch, randn, B, T, Hkv, Dk, Dv, dtype, alias):
+    """k, v with non-trivial strides: alias -> v = k[..., :Dv] (MLA); else k is a
+    view into a wider buffer and v a separate tensor."""
+    if alias:
+        k = randn(B, T, Hkv, Dk + 8, dtype=dtype)[..., :Dk]
+        return k, k[..., :Dv]
+    k = randn(B, T, Hkv, Dk, dtype=dtype)
+    v = randn(B, T, 2 * Hkv, Dv, dtype=dtype)[:, :, ::2]
+    return k, v
+
+
+def attention_checks(torch, glm5_ops, backends, quick, dev, g):
+    from glm5_ops import reference
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=dev, generator=g).to(dtype)
+
+    def qstart(kind, B, S, T):
+        if kind == "tensor":
+            return torch.tensor(([0, T - S - 20] + [T - S] * B)[:B], device=dev)
+        return T // 2 if kind == "int" else None
+
+    old = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)  # poison: empty tensors come NaN-filled
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        _attention_checks(torch, glm5_ops, backends, quick, dev, g, reference, sync, randn, qstart)
+    finally:
+        torch.use_deterministic_algorithms(old[0], warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = old[1]
+
+
+def _attention_checks(torch, glm5_ops, backends, quick, dev, g, reference, sync, randn, qstart):
+    dtypes = [torch.float32, torch.bfloat16] + ([] if quick else [torch.float16])
+    # (B, S, T, Hq, Hkv, Dk, Dv, topk, causal, q_start, alias)
+    scases = [
+        (2, 37, 300, 8, 2, 64, 64, 50, True, None, False),        # GQA G=4, causal
+        (1, 5, 77, 3, 1, 20, 20, 10, False, None, False),         # odd Hq, Dk % 8 != 0 (scalar loads)
+        (1, 9, 200, 64, 1, 576, 512, 64, True, None, True),       # MLA absorbed: v = k[..., :512], G=64
+        (1, 4, 130, 20, 1, 40, 24, 70, False, None, False),       # G=20: M=64 with masked rows, Dv=24
+        (2, 33, 513, 16, 16, 128, 128, 100, True, "tensor", False),  # MHA, q_start per batch: empty rows
+        (1, 3, 150, 2, 1, 96, 600, 40, True, "int", False),       # Dv > 512: two Dv chunks
+        (1, 6, 400, 128, 1, 576, 512, 130, True, None, True),     # G=128: two units per query, topk % 64 != 0
+        (1, 4, 100, 8, 1, 576, 512, 64, False, None, False),      # GLM-5 TP8 heads, v not aliased
+    ]
+    if quick:
+        scases = scases[:6]
+    for backend in backends:
+        for dtype in dtypes:
+            dn = str(dtype).replace("torch.", "")
+            ftol, btol = ATT_TOL[dn]
+            for (B, S, T, Hq, Hkv, Dk, Dv, topk, causal, qsk, alias) in scases:
+                tag = (f"{dn} B={B} S={S} T={T} Hq={Hq} Hkv={Hkv} Dk={Dk} Dv={Dv} topk={topk} causal={causal} "
+                       f"q_start={qsk}{' v=k[..., :Dv]' if alias else ''}")
+
+                def make(B=B, S=S, T=T, Hq=Hq, Hkv=Hkv, Dk=Dk, Dv=Dv, topk=topk, alias=alias, qsk=qsk, dtype=dtype):
+                    q = randn(B, S, Hq, Dk, dtype=dtype)
+                    k, v = _kv(torch, randn, B, T, Hkv, Dk, Dv, dtype, alias)
+                    return q, k, v, _rand_indices(torch, B, S, T, topk, g, q.device), qstart(qsk, B, S, T)
+
+                def fwd(make=make, causal=causal, backend=backend, tol=ftol):
+                    q, k, v, idx, qs = make()
+                    with glm5_ops.use_backend(backend):
+                        out, lse = glm5_ops.sparse_attention(q, k, v, idx, causal=causal, q_start=qs)
+                    sync()
+                    ro, rl = reference.sparse_attention(q.double(), k.double(), v.double(), idx,
+                                                        scale=q.shape[-1] ** -0.5, causal=causal, q_start=qs)
+                    return attention_out_ok(torch, out, lse, ro, rl, tol)
+
+                def bwd(make=make, causal=causal, backend=backend, tol=btol, alias=alias):
+                    q, k, v, idx, qs = make()
+                    q.requires_grad_(True)
+                    k = k.detach().requires_grad_(True)
+                    v = k[..., :v.shape[-1]] if alias else v.detach().requires_grad_(True)
+                    with glm5_ops.use_backend(backend):
+                        out, _ = glm5_ops.sparse_attention(q, k, v, idx, causal=causal, q_start=qs)
+                    dout = torch.randn_like(out)
+                    got = torch.autograd.grad(out, (q, k) if alias else (q, k, v), dout)
+                    sync()
+                    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+                    v64 = k64[..., :v.shape[-1]] if alias else v.detach().double().requires_grad_(True)
+                    ro, _ = reference.sparse_attention(q64, k64, v64, idx, scale=q.shape[-1] ** -0.5, causal=causal,
+                                                       q_start=qs)
+                    want = torch.autograd.grad(ro, (q64, k64) if alias else (q64, k64, v64), dout.double())
+                    return grads_ok(torch, list(got) + [None] * (3 - len(got)), list(want) + [None] * (3 - len(want)),
+                                    tol)
+
+                run_check(f"attention.sparse_fwd/{backend}: {tag}", fwd)
+                run_check(f"attention.sparse_bwd/{backend}: {tag}", bwd)
+
+    # (B, S, T, Hq, Hkv, D, Dv, block_size, topk_blocks, causal, q_start, alias, mask kind)
+    bcases = [
+        (2, 200, 200, 4, 2, 64, 64, 32, 3, True, None, False, "predicted"),
+        (1, 77, 130, 3, 1, 20, 24, 16, 2, True, "int", False, "random"),     # odd sizes, partial blocks
+        (1, 256, 300, 2, 2, 128, 128, 64, 2, True, None, False, "random"),
+        (1, 100, 100, 2, 1, 64, 64, 7, 4, False, None, False, "random"),     # tiny blocks pack into key tiles
+        (1, 129, 129, 2, 1, 576, 512, 128, 1, True, None, True, "predicted"),  # MLA dims, two row chunks
+        (2, 64, 96, 4, 4, 32, 32, 16, 2, True, "tensor", False, "random"),   # q_start: empty causal rows
+    ]
+    if quick:
+        bcases = bcases[:4]
+    for backend in backends:
+        for dtype in dtypes:
+            dn = str(dtype).replace("torch.", "")
+            ftol, btol = ATT_TOL[dn]
+            for (B, S, T, Hq, Hkv, D, Dv, bs, tb, causal, qsk, alias, kind) in bcases:
+                tag = (f"{dn} B={B} S={S} T={T} Hq={Hq} Hkv={Hkv} D={D} Dv={Dv} bs={bs} causal={causal} "
+                       f"q_start={qsk} {kind} mask{' v=k[..., :Dv]' if alias else ''}")
+
+                def make(B=B, S=S, T=T, Hq=Hq, Hkv=Hkv, D=D, Dv=Dv, bs=bs, tb=tb, causal=causal, qsk=qsk,
+                         alias=alias, kind=kind, dtype=dtype):
+                    q = randn(B, S, Hq, D, dtype=dtype)
+                    k, v = _kv(torch, randn, B, T, Hkv, D, Dv, dtype, alias)
+                    qs = qstart(qsk, B, S, T)
+                    if kind == "predicted":
+                        num, idx = reference.block_topk_mask(q, k, block_size=bs, topk_blocks=tb, causal=causal,
+                                                             q_start=qs)
+                    else:
+                        num, idx = _rand_block_mask(torch, B, Hq, S, T, bs, g, q.device)
+                    return q, k, v, glm5_ops.BlockMask(num, idx, bs), qs
+
+                def ref_fn(q, k, v, m, causal, qs):
+                    return reference.block_sparse_attention(q, k, v, m.kv_num_blocks, m.kv_indices,
+                                                            block_size=m.block_size, scale=q.shape[-1] ** -0.5,
+                                                            causal=causal, q_start=qs)
+
+                def fwd(make=make, causal=causal, backend=backend, tol=ftol, ref_fn=ref_fn):
+                    q, k, v, m, qs = make()
+                    with glm5_ops.use_backend(backend):
+                        out, lse = glm5_ops.block_sparse_attention(q, k, v, m, causal=causal, q_start=qs)
+                    sync()
+                    ro, rl = ref_fn(q.double(), k.double(), v.double(), m, causal, qs)
+                    return attention_out_ok(torch, out, lse, ro, rl, tol)
+
+                def bwd(make=make, causal=causal, backend=backend, tol=btol, alias=alias, ref_fn=ref_fn):
+                    q, k, v, m, qs = make()
+                    Dv_ = v.shape[-1]
+                    q.requires_grad_(True)
+                    k = k.detach().requires_grad_(True)
+                    v = k[..., :Dv_] if alias else v.detach().requires_grad_(True)
+                    with glm5_ops.use_backend(backend):
+                        out, _ = glm5_ops.block_sparse_attention(q, k, v, m, causal=causal, q_start=qs)
+                    dout = torch.randn_like(out)
+                    leaves = (q, k) if alias else (q, k, v)
+                    got = torch.autograd.grad(out, leaves, dout)
+                    sync()
+                    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+                    v64 = k64[..., :Dv_] if alias else v.detach().double().requires_grad_(True)
+                    ro, _ = ref_fn(q64, k64, v64, m, causal, qs)
+                    want = torch.autograd.grad(ro, (q64, k64) if alias else (q64, k64, v64), dout.double())
+                    pad = [None] * (3 - len(got))
+                    return grads_ok(torch, list(got) + pad, list(want) + pad, tol)
+
+                run_check(f"attention.block_fwd/{backend}: {tag}", fwd)
+                run_check(f"attention.block_bwd/{backend}: {tag}", bwd)
+
+    # block_topk_mask: (B, S, T, H, Hkv, D, block_size, topk_blocks, causal, sink, local, pooling, q_start)
+    mcases = [
+        (2, 300, 300, 4, 2, 64, 32, 3, True, 1, 1, "mean", None),
+        (1, 77, 1000, 3, 1, 20, 16, 5, True, 2, 2, "minmax", "int"),
+        (1, 256, 4096, 8, 1, 128, 64, 16, True, 1, 2, "mean", None),
+        (2, 100, 130, 2, 2, 32, 7, 4, False, 0, 1, "minmax", "tensor"),
+        (1, 64, 64, 2, 1, 16, 16, 10, True, 1, 1, "mean", None),            # topk > candidates: all taken
+    ]
+    if quick:
+        mcases = mcases[:3]
+    for backend in backends:
+        for dtype in ([torch.float32, torch.bfloat16] if not quick else [torch.float32]):
+            dn = str(dtype).replace("torch.", "")
+            for (B, S, T, H, Hkv, D, bs, tb, causal, sink, local, pooling, qsk) in mcases:
+                tag = (f"{dn} B={B} S={S} T={T} H={H} Hkv={Hkv} D={D} bs={bs} topk={tb} causal={causal} "
+                       f"sink={sink} local={local} {pooling} q_start={qsk}")
+
+                def one(B=B, S=S, T=T, H=H, Hkv=Hkv, D=D, bs=bs, tb=tb, causal=causal, sink=sink, local=local,
+                        pooling=pooling, qsk=qsk, dtype=dtype, backend=backend):
+                    q, k = randn(B, S, H, D, dtype=dtype), randn(B, T, Hkv, D, dtype=dtype)
+                    qs = qstart(qsk, B, S, T)
+                    kw = dict(block_size=bs, topk_blocks=tb, causal=causal, sink_blocks=sink, local_blocks=local,
+                              pooling=pooling, q_start=qs)
+                    with glm5_ops.use_backend(backend):
+                        m = glm5_ops.block_topk_mask(q, k, **kw)
+                    sync()
+                    rnum, ridx = reference.block_topk_mask(q, k, **kw)
+                    return block_mask_ok(torch, reference, m.kv_num_blocks, m.kv_indices, rnum, ridx, q, k, bs,
+                                         pooling)
+
+                run_check(f"attention.block_topk_mask/{backend}: {tag}", one)
+
+
+def _block_scores(torch, reference, q, k, bs, pooling):
+    """fp32 [B,H,Qb,Kb] block scores exactly as reference.block_topk_mask defines them."""
+    G = q.shape[2] // k.shape[2]
+    qbar = reference._block_means(q.float(), bs)
+    if pooling == "mean":
+        kbar = reference._block_means(k.float(), bs).repeat_interleave(G, dim=2)
+        return torch.einsum("bihd,bjhd->bhij", qbar, kbar)
+    kmax = reference._block_extreme(k.float(), bs, True).repeat_interleave(G, dim=2)
+    kmin = reference._block_extreme(k.float(), bs, False).repeat_interleave(G, dim=2)
+    return (torch.einsum("bihd,bjhd->bhij", qbar.clamp(min=0), kmax)
+            + torch.einsum("bihd,bjhd->bhij", qbar.clamp(max=0), kmin))
+
+
+def block_mask_ok(torch, reference, num, idx, rnum, ridx, q, k, bs, pooling):
+    """Same shapes and counts; rows ascending then 0 padding; the selected set
+    equals the reference's, or differs only by blocks of (near-)equal score."""
+    if num.dtype != torch.int32 or idx.dtype != torch.int32 or num.shape != rnum.shape or idx.shape != ridx.shape:
+        return False, f"got {num.dtype}{tuple(num.shape)} {idx.dtype}{tuple(idx.shape)}, want int32 " \
+                      f"{tuple(rnum.shape)} {tuple(ridx.shape)}"
+    if not torch.equal(num, rnum):
+        return False, f"kv_num_blocks differs in {(num != rnum).sum().item()} rows"
+    W = idx.shape[-1]
+    used = torch.arange(W, device=idx.device) < num[..., None]
+    if W > 1 and ((idx[..., 1:] <= idx[..., :-1]) & used[..., 1:]).any():
+        return False, "selected blocks are not strictly ascending"
+    if (idx[~used] != 0).any():
+        return False, "padding after kv_num_blocks is not 0"
+    Kb = -(-k.shape[1] // bs)
+    mine = reference._ordered_to_blocks(num, idx, Kb)
+    ref = reference._ordered_to_blocks(rnum, ridx, Kb)
+    if torch.equal(mine, ref):
+        return True, f"{tuple(idx.shape)} identical"
+    sc = _block_scores(torch, reference, q, k, bs, pooling)
+    only_mine = torch.where(mine & ~ref, sc, torch.zeros_like(sc)).sum(-1)
+    only_ref = torch.where(ref & ~mine, sc, torch.zeros_like(sc)).sum(-1)
+    diff = (only_mine - only_ref).abs().max().item()
+    tol = 1e-4 * max(sc.abs().max().item(), 1e-6)
+    return diff <= tol, f"{(mine != ref).any(-1).sum().item()} rows differ; |score diff| {diff:.1e} (tol {tol:.1e}, ties)"
+
+
+def attention_timings(torch, glm5_ops, backends, quick, timer):
+    import torch.nn.functional as F
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    # DSA sparse attention, MLA absorbed form (v = k[..., :512]); Hq=64 is the issue's
+    # target shape, Hq=8 is GLM-5 at TP8 (8 heads per GPU).
+    B, S, T, Dk, Dv, topk = 1, 4096, 65536, 576, 512, 2048
+    kv = torch.randn(B, T, 1, Dk, device=dev, generator=g).bfloat16()
+    idx = torch.empty(B, S, topk, dtype=torch.int32, device=dev)
+    for s0 in range(0, S, 512):  # distinct random keys per query, in chunks ([512, T] scores at a time)
+        idx[0, s0:s0 + 512] = torch.rand(min(512, S - s0), T, device=dev, generator=g).topk(topk, -1).indices
+    for Hq in ([64] if quick else [64, 8]):
+        q = (torch.randn(B, S, Hq, Dk, device=dev, generator=g) * Dk ** -0.5).bfloat16()
+        flops = 2.0 * B * S * topk * Hq * (Dk + Dv)
+        nbytes = q.numel() * 2 + B * S * topk * Dk * 2 + B * S * Hq * Dv * 2
+        group = f"attention sparse fwd bf16 S={S} T={T} Hq={Hq} Hkv=1 Dk={Dk} Dv={Dv} topk={topk} (v=k[..., :Dv])"
+        for be in backends:
+            def f(be=be, q=q):
+                with glm5_ops.use_backend(be):
+                    return glm5_ops.sparse_attention(q, kv, kv[..., :Dv], idx)
+            ms = timed(timer, group, be, f, flops=flops, nbytes=nbytes, note="target 300 TFLOP/s" if Hq == 64 else "")
+            if ms:
+                log(f"    {be}: {flops / ms / 1e9 / 300:.0%} of the 300 TFLOP/s target")
+        if not quick or Hq == 64:
+            Sb = 128  # backward at a smaller S (SIMT backward with atomics: slow, ~1e9 atomics here)
+            qb = q[:, :Sb].clone().requires_grad_(True)
+            kb = kv.clone().requires_grad_(True)
+            bflops = 2.5 * flops * Sb / S
+            for be in backends:
+                def fb(be=be, qb=qb, kb=kb):
+                    with glm5_ops.use_backend(be):
+                        out, _ = glm5_ops.sparse_attention(qb, kb, kb[..., :Dv], idx[:, :Sb])
+                    return torch.autograd.grad(out, (qb, kb), torch.ones_like(out))
+                timed(timer, f"attention sparse fwd+bwd bf16 S={Sb} T={T} Hq={Hq} Dk={Dk} Dv={Dv} topk={topk}", be,
+                      fb, flops=bflops + flops * Sb / S)
+            del qb, kb
+        del q
+    del kv, idx
+    torch.cuda.empty_cache()
+
+    # Block-sparse vs dense causal SDPA (flash): throughput per computed block.
+    shapes = [(1, 8192, 16, 128, 128, 16)] + ([] if quick else [(1, 16384, 32, 128, 128, 32)])
+    for (B, S, H, D, bs, tb) in shapes:
+        q = torch.randn(B, S, H, D, device=dev, generator=g).bfloat16()
+        k = torch.randn(B, S, H, D, device=dev, generator=g).bfloat16()
+        v = torch.randn(B, S, H, D, device=dev, generator=g).bfloat16()
+        dense_flops = 4.0 * B * H * S * S * D / 2
+        group = f"attention block-sparse bf16 S=T={S} H={H} D={D} bs={bs} topk_blocks={tb} causal"
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        base = timed(timer, group, "dense SDPA causal (flash)",
+                     lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), flops=dense_flops)
+        for be in backends:
+            try:
+                with glm5_ops.use_backend(be):
+                    mask = glm5_ops.block_topk_mask(q, k, block_size=bs, topk_blocks=tb)
+            except Exception as e:  # noqa: BLE001
+                log(f"TIME {group} | {be}: block_topk_mask failed ({type(e).__name__}: {str(e)[:200]})")
+                continue
+            blocks = int(mask.kv_num_blocks.sum())
+            flops = 4.0 * blocks * bs * bs * D  # every computed block counted in full
+
+            def fm(be=be):
+                with glm5_ops.use_backend(be):
+                    return glm5_ops.block_topk_mask(q, k, block_size=bs, topk_blocks=tb)
+
+            def fa(be=be, mask=mask):
+                with glm5_ops.use_backend(be):
+                    return glm5_ops.block_sparse_attention(q, k, v, mask)
+            timed(timer, group, f"{be} block_topk_mask", fm)
+            ms = timed(timer, group, f"{be} block_sparse_attention ({blocks} blocks, "
+                       f"{mask.density(S, S):.0%} dense)", fa, flops=flops, base_ms=base)
+            if ms and base:
+                eff = (flops / ms) / (dense_flops / base)
+                log(f"    {be}: per computed block {eff:.0%} of dense SDPA throughput (target >= 60%)")
+        del q, k, v, qt, kt, vt
         torch.cuda.empty_cache()
 
 
