@@ -8,7 +8,8 @@ import torch
 
 import glm5_ops
 
-OPS = ["indexer_scores", "topk_indices", "indexer_topk"]
+OPS = ["indexer_scores", "topk_indices", "indexer_topk", "sparse_attention_fwd", "sparse_attention_bwd",
+       "block_sparse_attention_fwd", "block_sparse_attention_bwd", "block_topk_mask"]
 CPU_ONLY_OPS = ["moe_route", "moe_dispatch", "moe_combine"]  # CUDA kernels: later work
 
 
