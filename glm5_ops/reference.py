@@ -519,6 +519,8 @@ def to_flex_block_mask(kv_num_blocks, kv_indices, block_size, S, T, *, causal=Tr
             ok = ok & (kv_idx <= start[b if n_start > 1 else 0] + q_idx)
         return ok
 
+    # Compiled flex_attention sizes its grid from kv_indices' last dim: pad it to Kb.
+    kv_indices = F.pad(kv_indices, (0, max(0, Kb - kv_indices.shape[-1])))
     return BlockMask.from_kv_blocks(kv_num_blocks.to(torch.int32), kv_indices.to(torch.int32),
                                     BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(S, T))
 
