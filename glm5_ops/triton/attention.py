@@ -88,24 +88,46 @@ def _v_from_k(k, v, DK1, DV) -> bool:
             and DV == DK1 and v.shape[3] <= DK1)
 
 
-def _config(Dk: int, Dv: int, dtype: torch.dtype, rows: int, bwd: bool):
-    """Tile sizes for a program of `rows` query rows (heads or queries)."""
+# Tile sizes. Chosen from an sm_90 compile of every kernel (bf16, ptxas
+# register / spill report; no GPU was available to time them): the largest
+# tiles that compile without spilling, or with the least spilling for
+# Dk = 576. fp32 dots keep the same tiles (shared memory still fits).
+# The gathered tiles are loaded through per-element pointers, which cost
+# registers: 8 warps beat 4 on the big tiles.
+
+def _sparse_config(Dk: int, Dv: int, G: int, bwd: bool) -> dict:
+    """Token-level kernels: BLOCK_H heads of a kv group x BLOCK_N gathered keys."""
+    DK1, DK2 = _split_d(Dk)
+    DV = max(16, _next_pow2(Dv))
+    big = max(DK1 + DK2, DV) >= 512              # MLA's 576 / 512
+    BLOCK_H = min(64, max(16, _next_pow2(G)))
+    if bwd:   # dq [BLOCK_H, Dk] and the dk/dv partials [BLOCK_N, D] live in registers
+        BLOCK_H = 16 if big else min(BLOCK_H, 32)
+        BLOCK_N = 16 if big or BLOCK_H == 32 else 32
+        num_warps, num_stages = (4 if big else 8), 1   # atomics in the loop: no deep pipelining
+    elif big:
+        BLOCK_H, BLOCK_N, num_warps, num_stages = min(BLOCK_H, 32), 32, 8, 2
+    else:
+        BLOCK_N = 64 if BLOCK_H == 64 else 32
+        num_warps, num_stages = (8 if BLOCK_H == 64 else 4), 2
+    return dict(DK1=DK1, DK2=DK2, DV=DV, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=num_warps,
+                num_stages=num_stages)
+
+
+def _block_config(Dk: int, Dv: int, bs: int, kind: str) -> dict:
+    """Block-sparse kernels (kind "fwd", "dq" or "dkdv"): BLOCK_M queries x BLOCK_N keys."""
     DK1, DK2 = _split_d(Dk)
     DV = max(16, _next_pow2(Dv))
     dmax = max(DK1 + DK2, DV)
-    BLOCK_M = min(64, max(16, _next_pow2(rows)))
-    # fp32 accumulators of BLOCK_M x D live in registers (out; dq in the
-    # backward, plus dO): keep them near 16K (bwd 8K) elements per program.
-    budget = 8192 if bwd else 16384
-    while BLOCK_M > 16 and BLOCK_M * dmax > budget:
-        BLOCK_M //= 2
-    # Gathered tiles: keep keys (+ values) under ~96 KiB per stage.
-    item = torch.empty((), dtype=dtype).element_size()
-    fit = max(1, (96 * 1024) // ((DK1 + DK2 + DV) * item))
-    BLOCK_N = max(16, min(64, 1 << (fit.bit_length() - 1)))
-    num_warps = 8 if BLOCK_M * dmax >= 16384 or bwd and dmax >= 256 else 4
-    num_stages = 2 if dmax >= 256 else 3
-    return DK1, DK2, DV, BLOCK_M, BLOCK_N, num_warps, num_stages
+    if kind == "fwd":
+        BLOCK_M, BLOCK_N, num_stages = (32 if dmax >= 512 else 64), 32, 2
+    elif kind == "dq":
+        BLOCK_M, BLOCK_N, num_stages = 16, (16 if dmax >= 512 else 32), 1
+    else:   # dkdv: accumulators [BLOCK_N, Dk + Dv]
+        BLOCK_M, BLOCK_N, num_stages = 16, (16 if dmax >= 192 else 32), 1
+    fit = max(16, _next_pow2(bs))                # no tile wider than a (small) block
+    return dict(DK1=DK1, DK2=DK2, DV=DV, BLOCK_M=min(BLOCK_M, fit), BLOCK_N=min(BLOCK_N, fit), num_warps=8,
+                num_stages=num_stages)
 
 
 # --------------------------------------------------------------------------
@@ -313,20 +335,18 @@ def sparse_attention_fwd(q, k, v, indices, scale: float, causal: bool, q_start):
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     TOPK = indices.shape[2]
-    DK1, DK2, DV, BLOCK_H, BLOCK_N, num_warps, num_stages = _config(Dk, Dv, q.dtype, G, bwd=False)
+    cfg = _sparse_config(Dk, Dv, G, bwd=False)
     out = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
     if B * S * Hq == 0:
         return _empty_outputs(q, v)
-    _sparse_fwd_kernel[_sparse_grid(B, S, Hkv, G, BLOCK_H)](
+    _sparse_fwd_kernel[_sparse_grid(B, S, Hkv, G, cfg["BLOCK_H"])](
         q, k, v, indices, q_start if q_start is not None else indices, out, lse,
         S, T, Hq, G, TOPK, Dk, Dv,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         scale * LOG2E,
-        CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=_v_from_k(k, v, DK1, DV),
-        IEEE=q.dtype == torch.float32,
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, DK1=DK1, DK2=DK2, DV=DV,
-        num_warps=num_warps, num_stages=num_stages,
+        CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]),
+        IEEE=q.dtype == torch.float32, **cfg,
     )
     return out, lse
 
@@ -336,22 +356,20 @@ def sparse_attention_bwd(dout, q, k, v, indices, out, lse, scale, causal, q_star
     T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     TOPK = indices.shape[2]
-    DK1, DK2, DV, BLOCK_H, BLOCK_N, num_warps, num_stages = _config(Dk, Dv, q.dtype, G, bwd=True)
+    cfg = _sparse_config(Dk, Dv, G, bwd=True)
     dq = torch.empty_like(q)
     # New fp32 buffers (never views of k/v, even when v views k: autograd adds dk and dv).
     dk = torch.zeros(B, T, Hkv, Dk, dtype=torch.float32, device=q.device)
     dv = torch.zeros(B, T, Hkv, Dv, dtype=torch.float32, device=q.device)
     if B * S * Hq > 0:
-        _sparse_bwd_kernel[_sparse_grid(B, S, Hkv, G, BLOCK_H)](
+        _sparse_bwd_kernel[_sparse_grid(B, S, Hkv, G, cfg["BLOCK_H"])](
             dout.contiguous(), q, k, v, indices, q_start if q_start is not None else indices,
             out.contiguous(), lse.contiguous(), dq, dk, dv,
             S, T, Hq, Hkv, G, TOPK, Dk, Dv,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             scale, scale * LOG2E,
-            CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=_v_from_k(k, v, DK1, DV),
-            IEEE=q.dtype == torch.float32,
-            BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, DK1=DK1, DK2=DK2, DV=DV,
-            num_warps=num_warps, num_stages=1,   # atomics in the loop: no deep pipelining
+            CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]),
+            IEEE=q.dtype == torch.float32, **cfg,
         )
     else:
         dq.zero_()
@@ -660,15 +678,12 @@ def _block_dkdv_kernel(
     tl.store(dv_ptr + (out_rows * Dv)[:, None] + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty), mask=mv)
 
 
-def _block_launch_common(q, k, v, kv_indices, block_size, bwd):
-    B, S, Hq, Dk = q.shape
-    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-    DK1, DK2, DV, BLOCK_M, BLOCK_N, num_warps, num_stages = _config(Dk, Dv, q.dtype, block_size, bwd)
-    BLOCK_N = min(BLOCK_N, max(16, _next_pow2(block_size)))   # no tile wider than a block
+def _block_cfg(q, k, v, bs: int, kind: str) -> dict:
+    B, Hq = q.shape[0], q.shape[2]
     if Hq > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
         raise NotImplementedError(f"triton block_sparse_attention: B={B} or Hq={Hq} exceeds the grid limit")
-    return dict(DK1=DK1, DK2=DK2, DV=DV, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps,
-                num_stages=num_stages, V_FROM_K=_v_from_k(k, v, DK1, DV), IEEE=q.dtype == torch.float32)
+    cfg = _block_config(q.shape[3], v.shape[3], bs, kind)
+    return dict(cfg, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]), IEEE=q.dtype == torch.float32)
 
 
 def block_sparse_attention_fwd(q, k, v, kv_num_blocks, kv_indices, block_size: int, scale, causal, q_start):
@@ -678,7 +693,7 @@ def block_sparse_attention_fwd(q, k, v, kv_num_blocks, kv_indices, block_size: i
         return _empty_outputs(q, v)
     bs = int(block_size)
     Qb = triton.cdiv(S, bs)
-    cfg = _block_launch_common(q, k, v, kv_indices, bs, bwd=False)
+    cfg = _block_cfg(q, k, v, bs, "fwd")
     MT = triton.cdiv(bs, cfg["BLOCK_M"])
     out = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
@@ -723,12 +738,11 @@ def block_sparse_attention_bwd(dout, q, k, v, kv_num_blocks, kv_indices, out, ls
     if B * S * Hq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     Qb, Kb = triton.cdiv(S, bs), triton.cdiv(T, bs)
-    cfg = _block_launch_common(q, k, v, kv_indices, bs, bwd=True)
-    cfg["num_stages"] = 1
     qs = q_start if q_start is not None else kv_num_blocks
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     dout, out = dout.contiguous(), out.contiguous()
     delta = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
+    cfg = _block_cfg(q, k, v, bs, "dq")
     MT = triton.cdiv(bs, cfg["BLOCK_M"])
     _block_dq_kernel[(Qb * MT, Hq, B)](
         dout, q, k, v, kv_num_blocks, kv_indices, qs, out, lse, dq, delta,
@@ -736,6 +750,7 @@ def block_sparse_attention_bwd(dout, q, k, v, kv_num_blocks, kv_indices, out, ls
         scale, scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
     )
     q_num, q_idx = _transposed_mask(kv_num_blocks, kv_indices, Hkv, Kb)
+    cfg = _block_cfg(q, k, v, bs, "dkdv")
     NT = triton.cdiv(bs, cfg["BLOCK_N"])
     _block_dkdv_kernel[(Kb * NT, Hkv, B)](
         dout, q, k, v, q_num, q_idx, qs, lse, delta, dk, dv,
