@@ -19,7 +19,7 @@ under TRITON_INTERPRET=1 (fp32/fp16 there: the interpreter has no bf16 math).
 
 Design (FlashAttention-style: online softmax in fp32 with exp2, nothing of
 size [S, T] is ever stored):
-  _sparse_fwd_kernel    one program per (query, kv head, block of <= 64 of its
+  _sparse_fwd_kernel    one program per (query, kv head, block of 16-64 of its
                         G query heads): loops over the query's topk slots in
                         tiles of BLOCK_N gathered key rows; each gathered row
                         serves all heads of the program through one [heads, keys]
@@ -56,10 +56,16 @@ Head dims: Dk is split into a power-of-two main chunk and a padded tail
 columns of k and Dv equals the main chunk, the key tile is reused as the value
 tile (one gather instead of two, as in FlashMLA).
 fp32 inputs use true fp32 dots (input_precision="ieee"), not TF32.
+
+Status on GPUs: every kernel compiles for sm_90 (Triton 3.8, bf16 and fp32);
+tile sizes come from ptxas' register/spill report (see _sparse_config). Not
+yet run or timed on a GPU. Known costs: the Dk = 576 backward kernels spill a
+few hundred bytes per thread, and fp32 (ieee) dots spill heavily at
+Dk >= 192 (correct, slow; bf16/fp16 is the GPU path). The block-sparse
+backward syncs once (the width of the transposed mask).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
