@@ -66,7 +66,6 @@ backward syncs once (the width of the transposed mask).
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
