@@ -1,0 +1,897 @@
+"""Triton kernels for sparse attention: token-level (DSA) and block-sparse,
+and the block-level predictor (block_topk_mask).
+
+Called by glm5_ops/attention.py with validated inputs:
+
+  sparse_attention_fwd(q, k, v, indices, scale, causal, q_start)               -> (out, lse)
+  sparse_attention_bwd(dout, q, k, v, indices, out, lse, scale, causal, q_start) -> (dq, dk, dv)
+  block_sparse_attention_fwd(q, k, v, kv_num_blocks, kv_indices, block_size, scale, causal, q_start)
+  block_sparse_attention_bwd(dout, q, k, v, kv_num_blocks, kv_indices, out, lse, block_size, scale,
+                             causal, q_start)
+  block_topk_mask(q, k, block_size, topk_blocks, causal, sink_blocks, local_blocks, pooling, q_start)
+
+q [B,S,Hq,Dk] contiguous; k [B,T,Hkv,Dk] and v [B,T,Hkv,Dv] with unit stride
+along D and any other strides (v may be the view k[..., :Dv], MLA's absorbed
+form); indices int32 [B,S,topk]; q_start None (T - S) or int64 [B]. The
+block mask is kv_num_blocks int32 [B,Hq,Qb], kv_indices int32 [B,Hq,Qb,W].
+Semantics: glm5_ops/reference.py. Works on CUDA tensors and on CPU tensors
+under TRITON_INTERPRET=1 (fp32/fp16 there: the interpreter has no bf16 math).
+
+Design (FlashAttention-style: online softmax in fp32 with exp2, nothing of
+size [S, T] is ever stored):
+  _sparse_fwd_kernel    one program per (query, kv head, block of 16-64 of its
+                        G query heads): loops over the query's topk slots in
+                        tiles of BLOCK_N gathered key rows; each gathered row
+                        serves all heads of the program through one [heads, keys]
+                        tl.dot (FlashMLA's sparse-prefill idea). G is padded to a
+                        power of two >= 16 with masked rows so tl.dot works for
+                        any head count (MQA, GQA 4/16, MLA's 64+).
+  _sparse_bwd_kernel    same walk; recomputes P from lse, delta = rowsum(dO*O)
+                        in the program; dq stays in registers; dk/dv are
+                        scattered with fp32 atomics: a key is chosen by an
+                        unknown set of queries, and inverting a per-token
+                        selection (CSR of size S*topk) costs more than atomics.
+  _block_fwd_kernel     one program per (query tile, query head, batch): loops
+                        over the selected key blocks of its query block in tiles
+                        of BLOCK_N keys; token-level causal mask inside blocks.
+  _block_dq_kernel      dq (and delta, saved for the next kernel), same walk.
+  _block_dkdv_kernel    dk/dv per (key tile, kv head, batch) from the TRANSPOSED
+                        mask (for each key block, the (head, query block) pairs
+                        that selected it; built with torch ops, it is only
+                        [Qb, Kb] per head): accumulates over all G heads of its
+                        kv head in registers, deterministic and with no atomic
+                        contention (GQA would make G*Qb programs hit the same
+                        rows) and no fp32 scratch buffers.
+  _pool_kernel / _block_score_kernel
+                        block_topk_mask's pooled block means (or Quest's per-block
+                        min/max) and the [Qb, Kb] block scores per head, in
+                        Triton; the per-row selection (mandatory sink/local
+                        blocks, top-k of the rest, ascending order) is done with
+                        torch ops on those scores, following the reference step
+                        by step (ties may be broken differently).
+
+Head dims: Dk is split into a power-of-two main chunk and a padded tail
+(576 = 512 + 64, 192 = 128 + 64, FlashMLA's split), so no tile is padded to
+1024; Dv is padded to a power of two. When v is a view of the first Dv
+columns of k and Dv equals the main chunk, the key tile is reused as the value
+tile (one gather instead of two, as in FlashMLA).
+fp32 inputs use true fp32 dots (input_precision="ieee"), not TF32.
+
+Status on GPUs: every kernel compiles for sm_90 (Triton 3.8, bf16 and fp32);
+tile sizes come from ptxas' register/spill report (see _sparse_config). Not
+yet run or timed on a GPU. Known costs: the Dk = 576 backward kernels spill a
+few hundred bytes per thread, and fp32 (ieee) dots spill heavily at
+Dk >= 192 (correct, slow; bf16/fp16 is the GPU path). The block-sparse
+backward syncs once (the width of the transposed mask).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+
+LOG2E = 1.4426950408889634
+_MAX_GRID_YZ = 65535   # CUDA grid dims 1 and 2
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (max(1, int(x)) - 1).bit_length()
+
+
+def _split_d(D: int):
+    """(DK1, DK2): a power-of-two main chunk and a padded tail (0 when none)."""
+    main = max(16, 1 << (max(1, D).bit_length() - 1))
+    rest = D - main
+    return main, (max(16, _next_pow2(rest)) if rest > 0 else 0)
+
+
+def _v_from_k(k, v, DK1, DV) -> bool:
+    """v is k[..., :Dv] (same storage, strides, start) and fits in k's main chunk."""
+    return (v.data_ptr() == k.data_ptr() and v.stride()[:3] == k.stride()[:3]
+            and DV == DK1 and v.shape[3] <= DK1)
+
+
+# Tile sizes. Chosen from an sm_90 compile of every kernel (bf16, ptxas
+# register / spill report; no GPU was available to time them): the largest
+# tiles that compile without spilling, or with the least spilling for
+# Dk = 576. fp32 dots keep the same tiles (shared memory still fits).
+# The gathered tiles are loaded through per-element pointers, which cost
+# registers: 8 warps beat 4 on the big tiles.
+
+def _sparse_config(Dk: int, Dv: int, G: int, bwd: bool) -> dict:
+    """Token-level kernels: BLOCK_H heads of a kv group x BLOCK_N gathered keys."""
+    DK1, DK2 = _split_d(Dk)
+    DV = max(16, _next_pow2(Dv))
+    big = max(DK1 + DK2, DV) >= 512              # MLA's 576 / 512
+    BLOCK_H = min(64, max(16, _next_pow2(G)))
+    if bwd:   # dq [BLOCK_H, Dk] and the dk/dv partials [BLOCK_N, D] live in registers
+        BLOCK_H = 16 if big else min(BLOCK_H, 32)
+        BLOCK_N = 16 if big or BLOCK_H == 32 else 32
+        num_warps, num_stages = (4 if big else 8), 1   # atomics in the loop: no deep pipelining
+    elif big:
+        BLOCK_H, BLOCK_N, num_warps, num_stages = min(BLOCK_H, 32), 32, 8, 2
+    else:
+        BLOCK_N = 64 if BLOCK_H == 64 else 32
+        num_warps, num_stages = (8 if BLOCK_H == 64 else 4), 2
+    return dict(DK1=DK1, DK2=DK2, DV=DV, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=num_warps,
+                num_stages=num_stages)
+
+
+def _block_config(Dk: int, Dv: int, bs: int, kind: str) -> dict:
+    """Block-sparse kernels (kind "fwd", "dq" or "dkdv"): BLOCK_M queries x BLOCK_N keys."""
+    DK1, DK2 = _split_d(Dk)
+    DV = max(16, _next_pow2(Dv))
+    dmax = max(DK1 + DK2, DV)
+    if kind == "fwd":
+        BLOCK_M, BLOCK_N, num_stages = (32 if dmax >= 512 else 64), 32, 2
+    elif kind == "dq":
+        BLOCK_M, BLOCK_N, num_stages = 16, (16 if dmax >= 512 else 32), 1
+    else:   # dkdv: accumulators [BLOCK_N, Dk + Dv]
+        BLOCK_M, BLOCK_N, num_stages = 16, (16 if dmax >= 192 else 32), 1
+    fit = max(16, _next_pow2(bs))                # no tile wider than a (small) block
+    return dict(DK1=DK1, DK2=DK2, DV=DV, BLOCK_M=min(BLOCK_M, fit), BLOCK_N=min(BLOCK_N, fit), num_warps=8,
+                num_stages=num_stages)
+
+
+# --------------------------------------------------------------------------
+# Token-level sparse attention
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _sparse_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, qs_ptr, out_ptr, lse_ptr,
+    S, T, Hq, G, TOPK, Dk, Dv,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    qk_scale,                                   # scale * log2(e): exp2 domain
+    CAUSAL: tl.constexpr, HAS_QS: tl.constexpr, V_FROM_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)         # b * S + s
+    kvh = tl.program_id(1)
+    b = row // S
+    s = row % S
+    offs_g = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_g < G
+    heads = (kvh * G + offs_g).to(tl.int64)
+    q_rows = q_ptr + (row * Hq + heads) * Dk    # [BLOCK_H]
+    d1 = tl.arange(0, DK1)
+    q1 = tl.load(q_rows[:, None] + d1[None, :], mask=h_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        q2 = tl.load(q_rows[:, None] + d2[None, :], mask=h_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
+    dv = tl.arange(0, DV)
+    if HAS_QS:
+        pos = tl.load(qs_ptr + b) + s
+    else:
+        pos = T - S + s
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], tl.float32)
+    for n0 in range(0, TOPK, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        t = tl.load(idx_ptr + row * TOPK + offs_n, mask=offs_n < TOPK, other=-1)
+        ok = t >= 0
+        if CAUSAL:
+            ok = ok & (t <= pos)
+        t64 = tl.where(ok, t, 0).to(tl.int64)
+        k_rows = k_base + t64 * sk_t            # gathered key rows [BLOCK_N]
+        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < Dk)[None, :], other=0.0)
+        if IEEE:
+            qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+        else:
+            qk = tl.dot(q1, tl.trans(k1))
+        if DK2 > 0:
+            k2 = tl.load(k_rows[:, None] + d2[None, :], mask=ok[:, None] & (d2 < Dk)[None, :], other=0.0)
+            if IEEE:
+                qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
+            else:
+                qk = tl.dot(q2, tl.trans(k2), qk)
+        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # no -inf - -inf on empty rows
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_FROM_K:
+            vt = k1                             # v = k[..., :Dv]: reuse the gathered tile
+        else:
+            vt = tl.load((v_base + t64 * sv_t)[:, None] + dv[None, :],
+                         mask=ok[:, None] & (dv < Dv)[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(p, vt, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+        m_i = m_new
+
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_rows = (row * Hq + heads) * Dv
+    tl.store(out_ptr + o_rows[:, None] + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & (dv < Dv)[None, :])
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + row * Hq + heads, lse, mask=h_ok)
+
+
+@triton.jit
+def _sparse_bwd_kernel(
+    do_ptr, q_ptr, k_ptr, v_ptr, idx_ptr, qs_ptr, o_ptr, lse_ptr, dq_ptr, dk_ptr, dv_ptr,
+    S, T, Hq, Hkv, G, TOPK, Dk, Dv,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    scale, qk_scale,
+    CAUSAL: tl.constexpr, HAS_QS: tl.constexpr, V_FROM_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr,
+):
+    """dk_ptr / dv_ptr: fp32 [B,T,Hkv,Dk|Dv] contiguous, zeroed, added to atomically."""
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    b = row // S
+    s = row % S
+    offs_g = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_g < G
+    heads = (kvh * G + offs_g).to(tl.int64)
+    q_rows = (row * Hq + heads) * Dk
+    d1 = tl.arange(0, DK1)
+    m1 = h_ok[:, None] & (d1 < Dk)[None, :]
+    q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=m1, other=0.0)
+    dq1 = tl.zeros([BLOCK_H, DK1], tl.float32)
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        m2 = h_ok[:, None] & (d2 < Dk)[None, :]
+        q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=m2, other=0.0)
+        dq2 = tl.zeros([BLOCK_H, DK2], tl.float32)
+    dv = tl.arange(0, DV)
+    o_rows = (row * Hq + heads) * Dv
+    mo = h_ok[:, None] & (dv < Dv)[None, :]
+    do = tl.load(do_ptr + o_rows[:, None] + dv[None, :], mask=mo, other=0.0)
+    o = tl.load(o_ptr + o_rows[:, None] + dv[None, :], mask=mo, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    lse = tl.load(lse_ptr + row * Hq + heads, mask=h_ok, other=float("-inf"))
+    # exp2(s - +inf) = 0: rows with no key (lse = -inf) and padded heads get P = 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if HAS_QS:
+        pos = tl.load(qs_ptr + b) + s
+    else:
+        pos = T - S + s
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    dk_base = dk_ptr + (b * T * Hkv + kvh) * Dk
+    dv_base = dv_ptr + (b * T * Hkv + kvh) * Dv
+
+    for n0 in range(0, TOPK, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        t = tl.load(idx_ptr + row * TOPK + offs_n, mask=offs_n < TOPK, other=-1)
+        ok = t >= 0
+        if CAUSAL:
+            ok = ok & (t <= pos)
+        t64 = tl.where(ok, t, 0).to(tl.int64)
+        k_rows = k_base + t64 * sk_t
+        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < Dk)[None, :], other=0.0)
+        if IEEE:
+            qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+        else:
+            qk = tl.dot(q1, tl.trans(k1))
+        if DK2 > 0:
+            k2 = tl.load(k_rows[:, None] + d2[None, :], mask=ok[:, None] & (d2 < Dk)[None, :], other=0.0)
+            if IEEE:
+                qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
+            else:
+                qk = tl.dot(q2, tl.trans(k2), qk)
+        p = tl.exp2(tl.where(ok[None, :], qk * qk_scale, float("-inf")) - lse2[:, None])   # [H, N] fp32
+        if V_FROM_K:
+            vt = k1
+        else:
+            vt = tl.load((v_base + t64 * sv_t)[:, None] + dv[None, :],
+                         mask=ok[:, None] & (dv < Dv)[None, :], other=0.0)
+        dkv_ok = ok[:, None]
+        if IEEE:
+            dv_part = tl.dot(tl.trans(p), do, input_precision="ieee")
+            dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
+        else:
+            dv_part = tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(vt))
+        tl.atomic_add(dv_base + (t64 * Hkv * Dv)[:, None] + dv[None, :], dv_part,
+                      mask=dkv_ok & (dv < Dv)[None, :], sem="relaxed")
+        ds = p * (dp - delta[:, None])                  # dL/d(score), up to the scale
+        if not IEEE:
+            ds = ds.to(q1.dtype)
+        dk_rows = dk_base + t64 * Hkv * Dk
+        if IEEE:
+            dq1 = tl.dot(ds, k1, dq1, input_precision="ieee")
+            dk1 = tl.dot(tl.trans(ds), q1, input_precision="ieee")
+        else:
+            dq1 = tl.dot(ds, k1, dq1)
+            dk1 = tl.dot(tl.trans(ds), q1)
+        tl.atomic_add(dk_rows[:, None] + d1[None, :], dk1 * scale, mask=dkv_ok & (d1 < Dk)[None, :], sem="relaxed")
+        if DK2 > 0:
+            if IEEE:
+                dq2 = tl.dot(ds, k2, dq2, input_precision="ieee")
+                dk2 = tl.dot(tl.trans(ds), q2, input_precision="ieee")
+            else:
+                dq2 = tl.dot(ds, k2, dq2)
+                dk2 = tl.dot(tl.trans(ds), q2)
+            tl.atomic_add(dk_rows[:, None] + d2[None, :], dk2 * scale, mask=dkv_ok & (d2 < Dk)[None, :],
+                          sem="relaxed")
+
+    tl.store(dq_ptr + q_rows[:, None] + d1[None, :], (dq1 * scale).to(dq_ptr.dtype.element_ty), mask=m1)
+    if DK2 > 0:
+        tl.store(dq_ptr + q_rows[:, None] + d2[None, :], (dq2 * scale).to(dq_ptr.dtype.element_ty), mask=m2)
+
+
+def _empty_outputs(q, v):
+    B, S, Hq, _ = q.shape
+    out = torch.zeros(B, S, Hq, v.shape[3], dtype=q.dtype, device=q.device)
+    return out, torch.full((B, S, Hq), float("-inf"), dtype=torch.float32, device=q.device)
+
+
+def _sparse_grid(B, S, Hkv, G, BLOCK_H):
+    nh = triton.cdiv(G, BLOCK_H)
+    if Hkv > _MAX_GRID_YZ or nh > _MAX_GRID_YZ:
+        raise NotImplementedError(f"triton sparse_attention: Hkv={Hkv} kv heads exceed the grid limit")
+    return (B * S, Hkv, nh)
+
+
+def sparse_attention_fwd(q, k, v, indices, scale: float, causal: bool, q_start):
+    B, S, Hq, Dk = q.shape
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    TOPK = indices.shape[2]
+    cfg = _sparse_config(Dk, Dv, G, bwd=False)
+    out = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
+    if B * S * Hq == 0:
+        return _empty_outputs(q, v)
+    _sparse_fwd_kernel[_sparse_grid(B, S, Hkv, G, cfg["BLOCK_H"])](
+        q, k, v, indices, q_start if q_start is not None else indices, out, lse,
+        S, T, Hq, G, TOPK, Dk, Dv,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        scale * LOG2E,
+        CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]),
+        IEEE=q.dtype == torch.float32, **cfg,
+    )
+    return out, lse
+
+
+def sparse_attention_bwd(dout, q, k, v, indices, out, lse, scale, causal, q_start):
+    B, S, Hq, Dk = q.shape
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = Hq // Hkv
+    TOPK = indices.shape[2]
+    cfg = _sparse_config(Dk, Dv, G, bwd=True)
+    dq = torch.empty_like(q)
+    # New fp32 buffers (never views of k/v, even when v views k: autograd adds dk and dv).
+    dk = torch.zeros(B, T, Hkv, Dk, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, T, Hkv, Dv, dtype=torch.float32, device=q.device)
+    if B * S * Hq > 0:
+        _sparse_bwd_kernel[_sparse_grid(B, S, Hkv, G, cfg["BLOCK_H"])](
+            dout.contiguous(), q, k, v, indices, q_start if q_start is not None else indices,
+            out.contiguous(), lse.contiguous(), dq, dk, dv,
+            S, T, Hq, Hkv, G, TOPK, Dk, Dv,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            scale, scale * LOG2E,
+            CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]),
+            IEEE=q.dtype == torch.float32, **cfg,
+        )
+    else:
+        dq.zero_()
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------
+# Block-sparse attention
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _block_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, num_ptr, kvi_ptr, qs_ptr, out_ptr, lse_ptr,
+    S, T, Hq, G, Qb, W, BS, MT, Dk, Dv,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    qk_scale,
+    CAUSAL: tl.constexpr, HAS_QS: tl.constexpr, V_FROM_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr,
+):
+    """Program (query tile, head h, batch b); query block i = tile // MT holds
+    MT tiles of BLOCK_M queries."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    i = pid // MT
+    s_lo = i * BS + (pid % MT) * BLOCK_M
+    offs_s = s_lo + tl.arange(0, BLOCK_M)
+    s_ok = offs_s < tl.minimum((i + 1) * BS, S)
+    kvh = h // G
+    q_rows = ((b * S + offs_s) * Hq + h) * Dk
+    d1 = tl.arange(0, DK1)
+    q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=s_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=s_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
+    dv = tl.arange(0, DV)
+    if HAS_QS:
+        start = tl.load(qs_ptr + b)
+    else:
+        start = T - S
+    pos = start + offs_s
+    if CAUSAL:   # key tiles after the tile's latest query are skipped
+        horizon = start + tl.minimum(s_lo + BLOCK_M, S) - 1
+    else:
+        horizon = T
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    row = (b * Hq + h) * Qb + i
+    nblk = tl.load(num_ptr + row)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    for jj in range(0, nblk):
+        j = tl.load(kvi_ptr + row * W + jj).to(tl.int64)
+        for n0 in range(0, BS, BLOCK_N):
+            t_lo = j * BS + n0
+            if t_lo <= horizon:
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                offs_t = j * BS + offs_n
+                t_ok = (offs_n < BS) & (offs_t < T)
+                k_rows = k_base + offs_t * sk_t
+                k1 = tl.load(k_rows[:, None] + d1[None, :], mask=t_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
+                if IEEE:
+                    qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+                else:
+                    qk = tl.dot(q1, tl.trans(k1))
+                if DK2 > 0:
+                    k2 = tl.load(k_rows[:, None] + d2[None, :], mask=t_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
+                    if IEEE:
+                        qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
+                    else:
+                        qk = tl.dot(q2, tl.trans(k2), qk)
+                ok = t_ok[None, :]
+                if CAUSAL:
+                    ok = ok & (offs_t[None, :] <= pos[:, None])
+                qk = tl.where(ok, qk * qk_scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, 1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(qk - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if V_FROM_K:
+                    vt = k1
+                else:
+                    vt = tl.load((v_base + offs_t * sv_t)[:, None] + dv[None, :],
+                                 mask=t_ok[:, None] & (dv < Dv)[None, :], other=0.0)
+                if IEEE:
+                    acc = tl.dot(p, vt, acc * alpha[:, None], input_precision="ieee")
+                else:
+                    acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+                m_i = m_new
+
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_rows = ((b * S + offs_s) * Hq + h) * Dv
+    tl.store(out_ptr + o_rows[:, None] + dv[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=s_ok[:, None] & (dv < Dv)[None, :])
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptr + (b * S + offs_s) * Hq + h, lse, mask=s_ok)
+
+
+@triton.jit
+def _block_dq_kernel(
+    do_ptr, q_ptr, k_ptr, v_ptr, num_ptr, kvi_ptr, qs_ptr, o_ptr, lse_ptr, dq_ptr, delta_ptr,
+    S, T, Hq, G, Qb, W, BS, MT, Dk, Dv,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    scale, qk_scale,
+    CAUSAL: tl.constexpr, HAS_QS: tl.constexpr, V_FROM_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr,
+):
+    """dq for the queries of _block_fwd_kernel's program; also stores delta =
+    rowsum(dO * O) (fp32 [B,S,Hq]) for _block_dkdv_kernel."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    i = pid // MT
+    s_lo = i * BS + (pid % MT) * BLOCK_M
+    offs_s = s_lo + tl.arange(0, BLOCK_M)
+    s_ok = offs_s < tl.minimum((i + 1) * BS, S)
+    kvh = h // G
+    q_rows = ((b * S + offs_s) * Hq + h) * Dk
+    d1 = tl.arange(0, DK1)
+    m1 = s_ok[:, None] & (d1 < Dk)[None, :]
+    q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=m1, other=0.0)
+    dq1 = tl.zeros([BLOCK_M, DK1], tl.float32)
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        m2 = s_ok[:, None] & (d2 < Dk)[None, :]
+        q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=m2, other=0.0)
+        dq2 = tl.zeros([BLOCK_M, DK2], tl.float32)
+    dv = tl.arange(0, DV)
+    stat = (b * S + offs_s) * Hq + h
+    o_rows = stat * Dv
+    mo = s_ok[:, None] & (dv < Dv)[None, :]
+    do = tl.load(do_ptr + o_rows[:, None] + dv[None, :], mask=mo, other=0.0)
+    o = tl.load(o_ptr + o_rows[:, None] + dv[None, :], mask=mo, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(delta_ptr + stat, delta, mask=s_ok)
+    lse = tl.load(lse_ptr + stat, mask=s_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if HAS_QS:
+        start = tl.load(qs_ptr + b)
+    else:
+        start = T - S
+    pos = start + offs_s
+    if CAUSAL:   # key tiles after the tile's latest query are skipped
+        horizon = start + tl.minimum(s_lo + BLOCK_M, S) - 1
+    else:
+        horizon = T
+    k_base = k_ptr + b * sk_b + kvh * sk_h
+    v_base = v_ptr + b * sv_b + kvh * sv_h
+    row = (b * Hq + h) * Qb + i
+    nblk = tl.load(num_ptr + row)
+    for jj in range(0, nblk):
+        j = tl.load(kvi_ptr + row * W + jj).to(tl.int64)
+        for n0 in range(0, BS, BLOCK_N):
+            t_lo = j * BS + n0
+            if t_lo <= horizon:
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                offs_t = j * BS + offs_n
+                t_ok = (offs_n < BS) & (offs_t < T)
+                k_rows = k_base + offs_t * sk_t
+                k1 = tl.load(k_rows[:, None] + d1[None, :], mask=t_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
+                if IEEE:
+                    qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+                else:
+                    qk = tl.dot(q1, tl.trans(k1))
+                if DK2 > 0:
+                    k2 = tl.load(k_rows[:, None] + d2[None, :], mask=t_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
+                    if IEEE:
+                        qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
+                    else:
+                        qk = tl.dot(q2, tl.trans(k2), qk)
+                ok = t_ok[None, :]
+                if CAUSAL:
+                    ok = ok & (offs_t[None, :] <= pos[:, None])
+                p = tl.exp2(tl.where(ok, qk * qk_scale, float("-inf")) - lse2[:, None])
+                if V_FROM_K:
+                    vt = k1
+                else:
+                    vt = tl.load((v_base + offs_t * sv_t)[:, None] + dv[None, :],
+                                 mask=t_ok[:, None] & (dv < Dv)[None, :], other=0.0)
+                if IEEE:
+                    dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
+                else:
+                    dp = tl.dot(do, tl.trans(vt))
+                ds = p * (dp - delta[:, None])
+                if IEEE:
+                    dq1 = tl.dot(ds, k1, dq1, input_precision="ieee")
+                else:
+                    dq1 = tl.dot(ds.to(k1.dtype), k1, dq1)
+                if DK2 > 0:
+                    if IEEE:
+                        dq2 = tl.dot(ds, k2, dq2, input_precision="ieee")
+                    else:
+                        dq2 = tl.dot(ds.to(k2.dtype), k2, dq2)
+    tl.store(dq_ptr + q_rows[:, None] + d1[None, :], (dq1 * scale).to(dq_ptr.dtype.element_ty), mask=m1)
+    if DK2 > 0:
+        tl.store(dq_ptr + q_rows[:, None] + d2[None, :], (dq2 * scale).to(dq_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _block_dkdv_kernel(
+    do_ptr, q_ptr, k_ptr, v_ptr, qnum_ptr, qidx_ptr, qs_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    S, T, Hq, Hkv, G, Qb, Kb, WQ, BS, NT, Dk, Dv,
+    sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    scale, qk_scale,
+    CAUSAL: tl.constexpr, HAS_QS: tl.constexpr, V_FROM_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr,
+):
+    """Program (key tile, kv head, batch); key block j = tile // NT. Walks the
+    transposed mask: qidx[b,kvh,j,:qnum] lists e = g * Qb + i for every head
+    g of the group and query block i that selected key block j. dk/dv: new
+    contiguous [B,T,Hkv,D] tensors in k/v's dtype."""
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    j = pid // NT
+    t_lo = j * BS + (pid % NT) * BLOCK_N
+    offs_t = t_lo + tl.arange(0, BLOCK_N)
+    t_ok = offs_t < tl.minimum((j + 1) * BS, T)
+    k_rows = k_ptr + b * sk_b + kvh * sk_h + offs_t.to(tl.int64) * sk_t
+    d1 = tl.arange(0, DK1)
+    mk1 = t_ok[:, None] & (d1 < Dk)[None, :]
+    k1 = tl.load(k_rows[:, None] + d1[None, :], mask=mk1, other=0.0)
+    dk1 = tl.zeros([BLOCK_N, DK1], tl.float32)
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        mk2 = t_ok[:, None] & (d2 < Dk)[None, :]
+        k2 = tl.load(k_rows[:, None] + d2[None, :], mask=mk2, other=0.0)
+        dk2 = tl.zeros([BLOCK_N, DK2], tl.float32)
+    dv = tl.arange(0, DV)
+    mv = t_ok[:, None] & (dv < Dv)[None, :]
+    if V_FROM_K:
+        vt = k1
+    else:
+        vt = tl.load((v_ptr + b * sv_b + kvh * sv_h + offs_t.to(tl.int64) * sv_t)[:, None] + dv[None, :],
+                     mask=mv, other=0.0)
+    dv_acc = tl.zeros([BLOCK_N, DV], tl.float32)
+    if HAS_QS:
+        start = tl.load(qs_ptr + b)
+    else:
+        start = T - S
+    row = (b * Hkv + kvh) * Kb + j
+    nq = tl.load(qnum_ptr + row)
+    for ee in range(0, nq):
+        e = tl.load(qidx_ptr + row * WQ + ee)
+        h = kvh * G + e // Qb
+        i = e % Qb
+        for m0 in range(0, BS, BLOCK_M):
+            s_lo = i * BS + m0
+            if CAUSAL:   # a query tile whose latest query precedes the key tile sees none of it
+                q_last = start + tl.minimum(s_lo + BLOCK_M, S) - 1
+            else:
+                q_last = t_lo
+            if q_last >= t_lo:
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                offs_s = i * BS + offs_m
+                s_ok = (offs_m < BS) & (offs_s < S)
+                stat = (b * S + offs_s) * Hq + h
+                q_rows = stat * Dk
+                q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=s_ok[:, None] & (d1 < Dk)[None, :],
+                             other=0.0)
+                if IEEE:
+                    qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+                else:
+                    qk = tl.dot(q1, tl.trans(k1))
+                if DK2 > 0:
+                    q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=s_ok[:, None] & (d2 < Dk)[None, :],
+                                 other=0.0)
+                    if IEEE:
+                        qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
+                    else:
+                        qk = tl.dot(q2, tl.trans(k2), qk)
+                ok = t_ok[None, :] & s_ok[:, None]
+                if CAUSAL:
+                    ok = ok & (offs_t[None, :] <= (start + offs_s)[:, None])
+                lse = tl.load(lse_ptr + stat, mask=s_ok, other=float("-inf"))
+                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                delta = tl.load(delta_ptr + stat, mask=s_ok, other=0.0)
+                p = tl.exp2(tl.where(ok, qk * qk_scale, float("-inf")) - lse2[:, None])   # [M, N]
+                do = tl.load(do_ptr + (stat * Dv)[:, None] + dv[None, :], mask=s_ok[:, None] & (dv < Dv)[None, :],
+                             other=0.0)
+                if IEEE:
+                    dv_acc = tl.dot(tl.trans(p), do, dv_acc, input_precision="ieee")
+                    dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
+                else:
+                    dv_acc = tl.dot(tl.trans(p.to(do.dtype)), do, dv_acc)
+                    dp = tl.dot(do, tl.trans(vt))
+                ds = p * (dp - delta[:, None])
+                if IEEE:
+                    dk1 = tl.dot(tl.trans(ds), q1, dk1, input_precision="ieee")
+                else:
+                    dk1 = tl.dot(tl.trans(ds.to(q1.dtype)), q1, dk1)
+                if DK2 > 0:
+                    if IEEE:
+                        dk2 = tl.dot(tl.trans(ds), q2, dk2, input_precision="ieee")
+                    else:
+                        dk2 = tl.dot(tl.trans(ds.to(q2.dtype)), q2, dk2)
+    out_rows = ((b * T + offs_t) * Hkv + kvh)
+    tl.store(dk_ptr + (out_rows * Dk)[:, None] + d1[None, :], (dk1 * scale).to(dk_ptr.dtype.element_ty), mask=mk1)
+    if DK2 > 0:
+        tl.store(dk_ptr + (out_rows * Dk)[:, None] + d2[None, :], (dk2 * scale).to(dk_ptr.dtype.element_ty),
+                 mask=mk2)
+    tl.store(dv_ptr + (out_rows * Dv)[:, None] + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty), mask=mv)
+
+
+def _block_cfg(q, k, v, bs: int, kind: str) -> dict:
+    B, Hq = q.shape[0], q.shape[2]
+    if Hq > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
+        raise NotImplementedError(f"triton block_sparse_attention: B={B} or Hq={Hq} exceeds the grid limit")
+    cfg = _block_config(q.shape[3], v.shape[3], bs, kind)
+    return dict(cfg, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]), IEEE=q.dtype == torch.float32)
+
+
+def block_sparse_attention_fwd(q, k, v, kv_num_blocks, kv_indices, block_size: int, scale, causal, q_start):
+    B, S, Hq, Dk = q.shape
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if B * S * Hq == 0:
+        return _empty_outputs(q, v)
+    bs = int(block_size)
+    Qb = triton.cdiv(S, bs)
+    cfg = _block_cfg(q, k, v, bs, "fwd")
+    MT = triton.cdiv(bs, cfg["BLOCK_M"])
+    out = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
+    _block_fwd_kernel[(Qb * MT, Hq, B)](
+        q, k, v, kv_num_blocks, kv_indices, q_start if q_start is not None else kv_num_blocks, out, lse,
+        S, T, Hq, Hq // Hkv, Qb, kv_indices.shape[3], bs, MT, Dk, Dv,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
+    )
+    return out, lse
+
+
+def _transposed_mask(kv_num_blocks, kv_indices, Hkv: int, Kb: int):
+    """For each (b, kv head, key block j): the entries g * Qb + i (g the head
+    within the kv head's group, i a query block) whose row selects j, ascending.
+    Returns (q_num int32 [B,Hkv,Kb], q_idx int32 [B,Hkv,Kb,WQ]); [Qb, Kb] per head
+    of booleans, cheap next to the attention."""
+    B, Hq, Qb, W = kv_indices.shape
+    G = Hq // Hkv
+    used = torch.arange(W, device=kv_indices.device) < kv_num_blocks[..., None]
+    target = torch.where(used, kv_indices.long(), Kb)
+    blocks = torch.zeros(B, Hq, Qb, Kb + 1, dtype=torch.bool, device=kv_indices.device)
+    blocks.scatter_(-1, target, True)
+    bt = blocks[..., :Kb].reshape(B, Hkv, G * Qb, Kb).transpose(2, 3)        # [B,Hkv,Kb,G*Qb]
+    q_num = bt.sum(-1, dtype=torch.int32)
+    width = max(1, int(q_num.max())) if q_num.numel() else 1
+    col = torch.arange(G * Qb, dtype=torch.int32, device=bt.device)
+    keyed = torch.where(bt, col, torch.full_like(col, G * Qb))
+    q_idx = keyed.sort(-1).values[..., :width].contiguous()
+    return q_num.contiguous(), q_idx
+
+
+def block_sparse_attention_bwd(dout, q, k, v, kv_num_blocks, kv_indices, out, lse, block_size, scale, causal,
+                               q_start):
+    B, S, Hq, Dk = q.shape
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+    bs = int(block_size)
+    G = Hq // Hkv
+    dq = torch.empty_like(q)
+    dk = torch.empty(B, T, Hkv, Dk, dtype=k.dtype, device=k.device)
+    dv = torch.empty(B, T, Hkv, Dv, dtype=v.dtype, device=v.device)
+    if B * S * Hq == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    Qb, Kb = triton.cdiv(S, bs), triton.cdiv(T, bs)
+    qs = q_start if q_start is not None else kv_num_blocks
+    strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
+    dout, out = dout.contiguous(), out.contiguous()
+    delta = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
+    cfg = _block_cfg(q, k, v, bs, "dq")
+    MT = triton.cdiv(bs, cfg["BLOCK_M"])
+    _block_dq_kernel[(Qb * MT, Hq, B)](
+        dout, q, k, v, kv_num_blocks, kv_indices, qs, out, lse, dq, delta,
+        S, T, Hq, G, Qb, kv_indices.shape[3], bs, MT, Dk, Dv, *strides,
+        scale, scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
+    )
+    q_num, q_idx = _transposed_mask(kv_num_blocks, kv_indices, Hkv, Kb)
+    cfg = _block_cfg(q, k, v, bs, "dkdv")
+    NT = triton.cdiv(bs, cfg["BLOCK_N"])
+    _block_dkdv_kernel[(Kb * NT, Hkv, B)](
+        dout, q, k, v, q_num, q_idx, qs, lse, delta, dk, dv,
+        S, T, Hq, Hkv, G, Qb, Kb, q_idx.shape[3], bs, NT, Dk, Dv, *strides,
+        scale, scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
+    )
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------
+# Block-level predictor
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _pool_kernel(x_ptr, mean_ptr, min_ptr, max_ptr, N, H, D, BS, NB,
+                 MINMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x [B,N,H,D] -> per block of BS rows (last one partial), fp32 [B,NB,H,D]:
+    the mean, or (MINMAX) the per-channel min and max."""
+    pid = tl.program_id(0).to(tl.int64)         # b * NB + block
+    h = tl.program_id(1)
+    b = pid // NB
+    blk = pid % NB
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    r_lo = blk * BS
+    r_end = tl.minimum(r_lo + BS, N)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    mn = tl.full([BLOCK_D], float("inf"), tl.float32)
+    mx = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    for r0 in range(r_lo, r_end, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        m = (offs_r < r_end)[:, None] & d_ok[None, :]
+        x = tl.load(x_ptr + ((b * N + offs_r) * H + h)[:, None] * D + offs_d[None, :], mask=m, other=0.0)
+        x = x.to(tl.float32)
+        if MINMAX:
+            mx = tl.maximum(mx, tl.max(tl.where(m, x, float("-inf")), 0))
+            mn = tl.minimum(mn, tl.min(tl.where(m, x, float("inf")), 0))
+        else:
+            acc += tl.sum(x, 0)
+    out = (pid * H + h) * D + offs_d
+    if MINMAX:
+        tl.store(min_ptr + out, mn, mask=d_ok)
+        tl.store(max_ptr + out, mx, mask=d_ok)
+    else:
+        tl.store(mean_ptr + out, acc / (r_end - r_lo).to(tl.float32), mask=d_ok)
+
+
+@triton.jit
+def _block_score_kernel(qbar_ptr, a_ptr, c_ptr, score_ptr, Qb, Kb, H, Hkv, G, D,
+                        MINMAX: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """score [B,H,Qb,Kb] fp32 = qbar . kbar (a = kbar), or (MINMAX, a = kmin,
+    c = kmax) sum_d max(qbar_d * kmin_d, qbar_d * kmax_d). qbar [B,Qb,H,D],
+    a and c [B,Kb,Hkv,D], fp32."""
+    offs_i = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    i_ok = offs_i < Qb
+    kvh = h // G
+    q_rows = ((b * Qb + offs_i) * H + h) * D
+    for j0 in range(0, Kb, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        j_ok = offs_j < Kb
+        k_rows = ((b * Kb + offs_j) * Hkv + kvh) * D
+        acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            qb = tl.load(qbar_ptr + q_rows[:, None] + offs_d[None, :], mask=i_ok[:, None] & d_ok[None, :], other=0.0)
+            mk = j_ok[:, None] & d_ok[None, :]
+            ka = tl.load(a_ptr + k_rows[:, None] + offs_d[None, :], mask=mk, other=0.0)
+            if MINMAX:
+                # max(a*m, a*M) with m <= M is a*M for a >= 0 and a*m for a < 0
+                kc = tl.load(c_ptr + k_rows[:, None] + offs_d[None, :], mask=mk, other=0.0)
+                acc = tl.dot(tl.maximum(qb, 0.0), tl.trans(kc), acc, input_precision="ieee")
+                acc = tl.dot(tl.minimum(qb, 0.0), tl.trans(ka), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(qb, tl.trans(ka), acc, input_precision="ieee")
+        tl.store(score_ptr + ((b * H + h) * Qb + offs_i)[:, None] * Kb + offs_j[None, :], acc,
+                 mask=i_ok[:, None] & j_ok[None, :])
+
+
+def _pool(x, bs: int, minmax: bool):
+    B, N, H, D = x.shape
+    NB = triton.cdiv(N, bs)
+    BLOCK_D = min(128, max(16, _next_pow2(D)))
+    BLOCK_R = min(64, max(16, _next_pow2(bs)))
+    outs = [torch.empty(B, NB, H, D, dtype=torch.float32, device=x.device) for _ in range(2 if minmax else 1)]
+    mean, mn, mx = (None, *outs) if minmax else (outs[0], None, None)
+    dummy = outs[0]
+    _pool_kernel[(B * NB, H, triton.cdiv(D, BLOCK_D))](
+        x, mean if mean is not None else dummy, mn if mn is not None else dummy, mx if mx is not None else dummy,
+        N, H, D, bs, NB, MINMAX=minmax, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+    return outs
+
+
+def block_topk_mask(q, k, block_size, topk_blocks, causal, sink_blocks, local_blocks, pooling: str, q_start):
+    """Block scores in Triton (_pool_kernel, _block_score_kernel); the per-row
+    selection with torch ops, the reference's steps with torch.topk in place
+    of a full sort (ties may be broken differently)."""
+    B, S, H, D = q.shape
+    T, Hkv = k.shape[1], k.shape[2]
+    bs = int(block_size)
+    Qb, Kb = triton.cdiv(S, bs), triton.cdiv(T, bs)
+    width = min(Kb, sink_blocks + local_blocks + topk_blocks)
+    dev = q.device
+    if B * H * Qb == 0:
+        return (torch.zeros(B, H, Qb, dtype=torch.int32, device=dev),
+                torch.zeros(B, H, Qb, width, dtype=torch.int32, device=dev))
+    if H > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
+        raise NotImplementedError(f"triton block_topk_mask: B={B} or H={H} exceeds the grid limit")
+    minmax = pooling == "minmax"
+    (qbar,) = _pool(q, bs, False)
+    kpool = _pool(k, bs, minmax)                     # [kbar] or [kmin, kmax]
+    score = torch.empty(B, H, Qb, Kb, dtype=torch.float32, device=dev)
+    BLOCK_I = BLOCK_J = 16
+    _block_score_kernel[(triton.cdiv(Qb, BLOCK_I), H, B)](
+        qbar, kpool[0], kpool[-1], score, Qb, Kb, H, Hkv, H // Hkv, D,
+        MINMAX=minmax, BLOCK_I=BLOCK_I, BLOCK_J=BLOCK_J, BLOCK_D=min(64, max(16, _next_pow2(D))))
+
+    # Selection (reference.block_topk_mask's definitions).
+    pos = reference.query_positions(B, S, T, q_start, dev)                 # [B,S]
+    last_row = torch.clamp((torch.arange(Qb, device=dev) + 1) * bs, max=S) - 1
+    diag = torch.div(pos[:, last_row], bs, rounding_mode="floor").clamp(max=Kb - 1)[:, :, None]
+    j = torch.arange(Kb, device=dev)[None, None, :]
+    allowed = (j <= diag) if causal else torch.ones(B, Qb, Kb, dtype=torch.bool, device=dev)
+    mandatory = ((j < sink_blocks) | ((j <= diag) & (j > diag - local_blocks))) & allowed   # [B,Qb,Kb]
+    cand = (allowed & ~mandatory)[:, None].expand(B, H, Qb, Kb)
+    blocks = mandatory[:, None].expand(B, H, Qb, Kb)
+    kk = min(topk_blocks, Kb)
+    if kk > 0:
+        keyed = score.masked_fill(~cand, float("-inf"))
+        top = keyed.topk(kk, dim=-1, sorted=True).indices                 # best first
+        # The first min(topk_blocks, #candidates) of them: never a non-candidate.
+        take = cand.sum(-1, keepdim=True).clamp(max=kk)
+        chosen = torch.zeros_like(cand).scatter_(-1, top, torch.arange(kk, device=dev).expand_as(top) < take)
+        blocks = blocks | chosen
+    # Same format as the reference: blocks ascending, then 0 padding.
+    return reference._blocks_to_ordered(blocks, width=width)
