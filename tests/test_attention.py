@@ -7,6 +7,7 @@ that precision, both measured against the fp32 reference on the same
 (rounded) inputs, plus 1e-6 absolute slack for results that round exactly.
 """
 import os
+import zlib
 import subprocess
 import sys
 
@@ -93,7 +94,7 @@ def test_sparse_attention_matches_reference(backend, poisoned, case, dtype):
     B, S, T, Hq, Hkv, Dk, Dv, topk, causal, v_views_k = case
     if not big_ok(backend) and Dk * Hq > 4096:
         pytest.skip("largest heads too slow for the Triton interpreter")
-    seed = hash(case) % 1000
+    seed = zlib.crc32(repr(case).encode()) % 1000  # stable across runs (str hashes are salted)
     q, k, v = qkv(B, S, T, Hq, Hkv, Dk, Dv, dtype, seed, v_views_k)
     idx = random_selection(B, S, T, topk, seed)
     q_start = torch.tensor([T - S - 3, T - S][:B], device=DEVICE) if B == 2 else None
@@ -142,7 +143,7 @@ def test_block_sparse_attention_matches_reference(backend, poisoned, case, dtype
     B, S, T, Hq, Hkv, D, Dv, bs, topk_blocks, causal, pooling = case
     if not big_ok(backend) and S * T > 10000:
         pytest.skip("too slow for the Triton interpreter")
-    seed = hash(case) % 1000
+    seed = zlib.crc32(repr(case).encode()) % 1000  # stable across runs (str hashes are salted)
     q, k, v = qkv(B, S, T, Hq, Hkv, D, Dv, dtype, seed)
     mask = glm5_ops.block_topk_mask(q, k, block_size=bs, topk_blocks=topk_blocks, causal=causal, pooling=pooling)
     ref_num, ref_idx = R.block_topk_mask(q, k, block_size=bs, topk_blocks=topk_blocks, causal=causal, pooling=pooling)

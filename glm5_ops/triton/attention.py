@@ -55,7 +55,13 @@ Head dims: Dk is split into a power-of-two main chunk and a padded tail
 1024; Dv is padded to a power of two. When v is a view of the first Dv
 columns of k and Dv equals the main chunk, the key tile is reused as the value
 tile (one gather instead of two, as in FlashMLA).
-fp32 inputs use true fp32 dots (input_precision="ieee"), not TF32.
+fp32 inputs use true fp32 dots (input_precision="ieee"), not TF32. In the
+backward, the products with P and dS (dV, dQ, dK) stay fp32 for every input
+dtype (the other operand is upcast): rounding P/dS to fp16/bf16 for the tensor
+cores, as FlashAttention does, gave gradients up to ~2.1x the reference's own
+low-precision error on small shapes, over the issue's 2x bound. On a GPU this
+makes the low-precision backward's second half run at fp32 speed: the place
+to win back (tf32x3, or bf16 with a split-precision correction) once timed.
 
 Status on GPUs: every kernel compiles for sm_90 (Triton 3.8, bf16 and fp32);
 tile sizes come from ptxas' register/spill report (see _sparse_config). Not
@@ -292,28 +298,26 @@ def _sparse_bwd_kernel(
             dv_part = tl.dot(tl.trans(p), do, input_precision="ieee")
             dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
         else:
-            dv_part = tl.dot(tl.trans(p.to(do.dtype)), do)
+            dv_part = tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
             dp = tl.dot(do, tl.trans(vt))
         tl.atomic_add(dv_base + (t64 * Hkv * Dv)[:, None] + dv[None, :], dv_part,
                       mask=dkv_ok & (dv < Dv)[None, :], sem="relaxed")
         ds = p * (dp - delta[:, None])                  # dL/d(score), up to the scale
-        if not IEEE:
-            ds = ds.to(q1.dtype)
         dk_rows = dk_base + t64 * Hkv * Dk
         if IEEE:
             dq1 = tl.dot(ds, k1, dq1, input_precision="ieee")
             dk1 = tl.dot(tl.trans(ds), q1, input_precision="ieee")
         else:
-            dq1 = tl.dot(ds, k1, dq1)
-            dk1 = tl.dot(tl.trans(ds), q1)
+            dq1 = tl.dot(ds, k1.to(tl.float32), dq1, input_precision="ieee")
+            dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), input_precision="ieee")
         tl.atomic_add(dk_rows[:, None] + d1[None, :], dk1 * scale, mask=dkv_ok & (d1 < Dk)[None, :], sem="relaxed")
         if DK2 > 0:
             if IEEE:
                 dq2 = tl.dot(ds, k2, dq2, input_precision="ieee")
                 dk2 = tl.dot(tl.trans(ds), q2, input_precision="ieee")
             else:
-                dq2 = tl.dot(ds, k2, dq2)
-                dk2 = tl.dot(tl.trans(ds), q2)
+                dq2 = tl.dot(ds, k2.to(tl.float32), dq2, input_precision="ieee")
+                dk2 = tl.dot(tl.trans(ds), q2.to(tl.float32), input_precision="ieee")
             tl.atomic_add(dk_rows[:, None] + d2[None, :], dk2 * scale, mask=dkv_ok & (d2 < Dk)[None, :],
                           sem="relaxed")
 
@@ -566,12 +570,12 @@ def _block_dq_kernel(
                 if IEEE:
                     dq1 = tl.dot(ds, k1, dq1, input_precision="ieee")
                 else:
-                    dq1 = tl.dot(ds.to(k1.dtype), k1, dq1)
+                    dq1 = tl.dot(ds, k1.to(tl.float32), dq1, input_precision="ieee")
                 if DK2 > 0:
                     if IEEE:
                         dq2 = tl.dot(ds, k2, dq2, input_precision="ieee")
                     else:
-                        dq2 = tl.dot(ds.to(k2.dtype), k2, dq2)
+                        dq2 = tl.dot(ds, k2.to(tl.float32), dq2, input_precision="ieee")
     tl.store(dq_ptr + q_rows[:, None] + d1[None, :], (dq1 * scale).to(dq_ptr.dtype.element_ty), mask=m1)
     if DK2 > 0:
         tl.store(dq_ptr + q_rows[:, None] + d2[None, :], (dq2 * scale).to(dq_ptr.dtype.element_ty), mask=m2)
@@ -663,18 +667,18 @@ def _block_dkdv_kernel(
                     dv_acc = tl.dot(tl.trans(p), do, dv_acc, input_precision="ieee")
                     dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
                 else:
-                    dv_acc = tl.dot(tl.trans(p.to(do.dtype)), do, dv_acc)
+                    dv_acc = tl.dot(tl.trans(p), do.to(tl.float32), dv_acc, input_precision="ieee")
                     dp = tl.dot(do, tl.trans(vt))
                 ds = p * (dp - delta[:, None])
                 if IEEE:
                     dk1 = tl.dot(tl.trans(ds), q1, dk1, input_precision="ieee")
                 else:
-                    dk1 = tl.dot(tl.trans(ds.to(q1.dtype)), q1, dk1)
+                    dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), dk1, input_precision="ieee")
                 if DK2 > 0:
                     if IEEE:
                         dk2 = tl.dot(tl.trans(ds), q2, dk2, input_precision="ieee")
                     else:
-                        dk2 = tl.dot(tl.trans(ds.to(q2.dtype)), q2, dk2)
+                        dk2 = tl.dot(tl.trans(ds), q2.to(tl.float32), dk2, input_precision="ieee")
     out_rows = ((b * T + offs_t) * Hkv + kvh)
     tl.store(dk_ptr + (out_rows * Dk)[:, None] + d1[None, :], (dk1 * scale).to(dk_ptr.dtype.element_ty), mask=mk1)
     if DK2 > 0:
