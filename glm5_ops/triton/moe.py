@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INT_MIN = -2147483648
+_INT_MIN = tl.constexpr(-2147483648)  # a jit global must be a constexpr
 
 
 def _next_pow2(x: int) -> int:
