@@ -181,8 +181,8 @@ def moe_route(h, gate_w, bias, top_k: int, n_group: int, topk_group: int,
     same16 = h.dtype == gate_w.dtype and h.dtype in (torch.float16, torch.bfloat16)
     if _interpreted(h):
         BLOCK_T, BLOCK_K, warps = 16, 32, 4
-    else:  # the [BLOCK_T, EP] fp32 tile lives in registers
-        BLOCK_T = 64 if EP <= 256 else (32 if EP <= 1024 else 16)
+    else:  # the [BLOCK_T, EP] fp32 tile lives in registers (and the group stage reshapes it)
+        BLOCK_T = 32 if EP <= 256 else 16
         BLOCK_K = 64 if same16 else 32
         warps = 4 if BLOCK_T * EP <= 8192 else 8
     BLOCK_K = min(BLOCK_K, max(16, _next_pow2(D)))
@@ -539,12 +539,17 @@ def _check_dtypes(x, w_gate_up, w_down):
 
 
 def _setup(x, w_gate_up, ids):
+    ids = ids.to(torch.int32).contiguous()   # no-ops for what glm5_ops.moe passes
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     k = ids.shape[1]
     cfg = _config(x.dtype, _interpreted(x), T * k / max(E, 1))
     plan = _Plan(ids, E, cfg["BLOCK_M"])
     return T, D, E, I2 // 2, k, cfg, plan
+
+
+def _mix(weights):
+    return weights.to(torch.float32).contiguous()
 
 
 def fused_moe_fwd(x, w_gate_up, w_down, weights, ids):
@@ -557,7 +562,7 @@ def fused_moe_fwd(x, w_gate_up, w_down, weights, ids):
     kw = _launch_kw(cfg)
     y = torch.empty((plan.P, D), dtype=x.dtype, device=x.device)
     if I == 0:   # no hidden units: every expert outputs 0
-        return _combine(y.zero_(), weights, T, k, D, x.dtype)
+        return _combine(y.zero_(), _mix(weights), T, k, D, x.dtype)
     h = torch.empty((plan.rows_max, I), dtype=x.dtype, device=x.device)
     grid = (plan.m_blocks * triton.cdiv(I, cfg["BLOCK_N"]),)
     _gate_up_kernel[grid](x, w_gate_up, h, plan.sorted_pairs, plan.expert_ids, plan.num_rows,
@@ -567,7 +572,7 @@ def fused_moe_fwd(x, w_gate_up, w_down, weights, ids):
     grid = (plan.m_blocks * triton.cdiv(D, cfg["BLOCK_N"]),)
     _rows_gemm_kernel[grid](h, w_down, y, plan.sorted_pairs, plan.expert_ids, plan.num_rows,
                             plan.P, D, I, I, 1, D * I, plan.m_blocks, PREC=prec, **kw)
-    return _combine(y, weights, T, k, D, x.dtype)
+    return _combine(y, _mix(weights), T, k, D, x.dtype)
 
 
 def fused_moe_bwd(dout, x, w_gate_up, w_down, weights, ids):
@@ -583,19 +588,22 @@ def fused_moe_bwd(dout, x, w_gate_up, w_down, weights, ids):
         return (torch.zeros_like(x), torch.zeros_like(w_gate_up), torch.zeros_like(w_down),
                 torch.zeros(ids.shape, dtype=torch.float32, device=dev))
     T, D, E, I, k, cfg, plan = _setup(x, w_gate_up, ids)
+    weights = _mix(weights)
     dwgu = torch.empty_like(w_gate_up)
     dwd = torch.empty_like(w_down)
     prec = _prec(x.dtype)
     kw = _launch_kw(cfg)
     BN = cfg["BLOCK_N"]
-    n_blocks_i = triton.cdiv(I, BN)
+    # _bwd_h holds three [BLOCK_M, BLOCK_N] fp32 accumulators: narrower N tiles on GPUs.
+    hkw = dict(kw, BLOCK_N=min(BN, 64)) if not _interpreted(x) else kw
+    n_blocks_i = triton.cdiv(I, hkw["BLOCK_N"])
     h = torch.empty((plan.rows_max, I), dtype=x.dtype, device=dev)
     dgu = torch.empty((plan.rows_max, 2 * I), dtype=x.dtype, device=dev)
     dwp = torch.empty((plan.P, n_blocks_i), dtype=torch.float32, device=dev)
     _bwd_h_kernel[(plan.m_blocks * n_blocks_i,)](
         x, dout, w_gate_up, w_down, weights, h, dgu, dwp,
         plan.sorted_pairs, plan.expert_ids, plan.num_rows,
-        plan.P, k, D, I, plan.m_blocks, n_blocks_i, PREC=prec, **kw)
+        plan.P, k, D, I, plan.m_blocks, n_blocks_i, PREC=prec, **hkw)
     dweights = dwp.sum(1).reshape(T, k)
 
     # dx: per-pair rows [da | db] @ W_gate_up[e] (W read as [n=D, k=2I] with
