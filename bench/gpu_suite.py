@@ -22,6 +22,9 @@
    block-sparse per computed block vs dense SDPA (target >= 60%).
 Prints progress as it goes and a markdown table last; writes all results as
 JSON to --json (default $OUT/gpu_suite.json when $OUT is set). < 8 minutes.
+MoE (issue 4): sections "moe" (every CUDA/Triton MoE kernel vs the
+reference) and "moe-timings" (fused_moe forward at GLM-5 scale vs the
+measured bf16 matmul peak; dispatch + combine share); see the MoE block.
 Each (section, backend) runs in its own child process: a sticky CUDA error or
 a hang (200 s limit) loses that section only. --only NAME[,NAME] reruns a
 subset by name; --device cpu dry-runs the checks on the CPU kernels.
@@ -915,7 +918,7 @@ def main():
     ap.add_argument("--device", default="cuda", help="cpu: dry-run the checks on the CPU kernels (no timings)")
     ap.add_argument("--only", default="", help="comma list of substrings: run only the checks and timings "
                     "whose names contain one (e.g. 'topk_indices,topk fp32' or 'indexer')")
-    ap.add_argument("--section", choices=["checks", "timings"], help=argparse.SUPPRESS)
+    ap.add_argument("--section", choices=["checks", "timings", *SECTIONS], help=argparse.SUPPRESS)
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "gpu_suite.json") if os.environ.get("OUT") else None)
     args = ap.parse_args()
     cpu = args.device == "cpu"
@@ -928,7 +931,9 @@ def main():
         name = "cpu" if cpu else torch.cuda.get_device_name()
         RESULTS["meta"] = {"torch": torch.__version__, "device": name, "quick": args.quick}
         try:
-            if args.section == "checks":
+            if args.section in SECTIONS:
+                SECTIONS[args.section](torch, glm5_ops, backends, args.quick, dev=args.device)
+            elif args.section == "checks":
                 checks(torch, glm5_ops, backends, args.quick, dev=args.device)
             else:
                 timings(torch, glm5_ops, backends, args.quick)
@@ -951,10 +956,326 @@ def main():
     for be in backends:
         if not args.skip_timings and not cpu:
             run_section(args, "timings", be, budget_s=150 if args.quick else 200)
+    for name in SECTIONS:  # family sections (MoE: checks, then timings on a GPU)
+        timing = "timings" in name
+        if (timing and (cpu or args.skip_timings)) or (not timing and args.skip_checks):
+            continue
+        for be in backends:
+            run_section(args, name, be, budget_s=120 if args.quick else 180)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)
     summary()
+
+
+# --------------------------------------------------------------------------- MoE (issue 4)
+# Checks every MoE kernel of each backend against glm5_ops.reference ("cpp" =
+# torch.ops.glm5, csrc/cuda/moe.cu on a GPU; "triton" = glm5_ops/triton/moe.py,
+# both called directly: the public API only adds argument checks), then times
+# fused_moe forward at GLM-5 scale against the measured bf16 matmul peak
+# (target 50%) and the dispatch + combine share of it (target <= 10%).
+# Run alone: --only moe  (about a minute per backend on an H200).
+
+MOE_CASES = [  # (T, E, k, D, I, ids): decode at E=256, odd D/I, one expert with every token,
+    (1, 256, 8, 64, 32, "random"), (37, 16, 4, 96, 40, "random"), (33, 12, 3, 40, 24, "one"),
+    (300, 8, 2, 512, 256, "random"), (64, 128, 12, 128, 64, "few"), (5, 6, 1, 7, 5, "random")]
+MOE_ROUTES = [(256, 8, 4, 8), (256, 1, 1, 8), (128, 1, 1, 12), (16, 1, 1, 1), (6, 3, 2, 3)]
+MOE_BENCH = (16384, 256, 8, 6144, 2048)  # T, E, k, D, I (GLM-5's routed experts, one 16K-token batch)
+
+
+def _moe_impl(torch, backend, dev):
+    if backend == "cpp":
+        ops = torch.ops.glm5
+        return dict(route=ops.moe_route, fwd=ops.fused_moe_fwd, bwd=ops.fused_moe_bwd,
+                    dispatch=ops.moe_dispatch, combine=ops.moe_combine)
+    if backend == "triton":
+        if dev == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from glm5_ops._backend import triton_module
+        tm = triton_module("moe", torch.device(dev))
+        return dict(route=tm.moe_route, fwd=tm.fused_moe_fwd, bwd=tm.fused_moe_bwd, tm=tm)
+    raise ValueError(f"no MoE kernels for backend {backend!r}")
+
+
+def _moe_rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _moe_ids(torch, kind, T, E, k, dev, g):
+    if kind == "random":   # distinct experts per token, as the router gives
+        return torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices.int()
+    if kind == "one":      # every token to one expert, the others idle
+        return torch.full((T, k), E - 2, dtype=torch.int32, device=dev)
+    few = torch.tensor([0, 5, E - 1], device=dev)   # three busy experts (repeats), the rest idle
+    return few[torch.randint(0, 3, (T, k), device=dev, generator=g)].int()
+
+
+def _moe_route_check(torch, impl, E, ng, tg, k, dtype, dev, g):
+    from glm5_ops import reference
+    T, D = 193, 96
+    h = torch.randn(T, D, device=dev, generator=g).to(dtype)
+    gw = (torch.randn(E, D, device=dev, generator=g) * D ** -0.5).to(dtype)
+    bias = torch.randn(E, device=dev, generator=g) * 0.05
+    w, ids = impl["route"](h, gw, bias, k, ng, tg, 2.5, True)
+    wr, ir = reference.moe_route(h, gw, bias, top_k=k, n_group=ng, topk_group=tg, routed_scaling_factor=2.5,
+                                 norm_topk_prob=True)
+    if w.dtype != torch.float32 or ids.dtype != torch.int32 or tuple(ids.shape) != (T, k):
+        return False, f"got {w.dtype} {ids.dtype} {tuple(ids.shape)}"
+    # Rows decided by a float64 gap < 1e-5 (group boundary, top-k boundary, order) may differ.
+    c = (h.double() @ gw.double().T).sigmoid() + bias.double()
+    tie = torch.zeros(T, dtype=torch.bool, device=dev)
+    if tg < ng:
+        gsc = c.view(T, ng, -1).topk(2, dim=-1).values.sum(-1).sort(-1, descending=True)
+        tie |= (gsc.values[:, tg - 1] - gsc.values[:, tg]) < 1e-5
+        keep = torch.zeros_like(gsc.values, dtype=torch.bool).scatter_(1, gsc.indices[:, :tg], True)
+        c = c.masked_fill(~keep.repeat_interleave(E // ng, dim=1), float("-inf"))
+    cs = c.sort(-1, descending=True).values[:, :k + 1]
+    tie |= ((cs[:, :-1] - cs[:, 1:]) < 1e-5).any(1)
+    ok = ~tie
+    same = torch.equal(ids[ok], ir[ok])
+    werr = (w[ok] - wr[ok]).abs().max().item() if ok.any() else 0.0
+    return same and werr <= 1e-5, f"ids {'equal' if same else 'DIFFER'} on {int(ok.sum())}/{T} tie-free rows, " \
+        f"max |dw| {werr:.1e}"
+
+
+def _moe_fused_check(torch, impl, T, E, k, D, I, kind, dtype, dev, g):
+    """fp32: rel err <= 1e-5 vs the reference; 16-bit: within 2x of the reference's own
+    error when it runs on the rounded inputs (both against the fp32 oracle)."""
+    from glm5_ops import reference
+    x = torch.randn(T, D, device=dev, generator=g)
+    wgu = torch.randn(E, 2 * I, D, device=dev, generator=g) * D ** -0.5
+    wd = torch.randn(E, D, I, device=dev, generator=g) * I ** -0.5
+    wts = torch.rand(T, k, device=dev, generator=g) + 0.1
+    ids = _moe_ids(torch, kind, T, E, k, dev, g)
+    dout = torch.randn(T, D, device=dev, generator=g)
+
+    def ref(*ts):
+        leaves = [t.detach().clone().requires_grad_() for t in ts]
+        out = reference.fused_moe(*leaves, ids)
+        out.backward(dout.to(out.dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    want = ref(x, wgu, wd, wts)
+    low = [t.to(dtype) for t in (x, wgu, wd)]
+    base = [0.0] * 5 if dtype == torch.float32 else [_moe_rel(a, b) for a, b in zip(ref(*low, wts), want)]
+    got = [impl["fwd"](*low, wts, ids)] + list(impl["bwd"](dout.to(dtype), *low, wts, ids))
+    errs = []
+    for name, a, b, b0 in zip(("out", "dx", "dw_gate_up", "dw_down", "dweights"), got, want, base):
+        if tuple(a.shape) != tuple(b.shape) or not torch.isfinite(a).all():
+            return False, f"{name}: shape {tuple(a.shape)} or non-finite (unwritten) entries"
+        err = _moe_rel(a, b)
+        tol = 1e-5 if dtype == torch.float32 else 2 * b0 + 1e-6
+        errs.append((name, err, tol))
+    bad = [f"{n} {e:.1e}>{t:.1e}" for n, e, t in errs if e > t]
+    return not bad, ("FAIL " + ", ".join(bad)) if bad else "rel err " + " ".join(f"{n} {e:.1e}" for n, e, _ in errs)
+
+
+def _moe_dispatch_check(torch, impl, dtype, align, dev, g):
+    from glm5_ops import reference
+    T, E, k, D = 333, 64, 6, 72
+    x = torch.randn(T, D, device=dev, generator=g).to(dtype)
+    ids = _moe_ids(torch, "random", T, E, k, dev, g)
+    ids[ids == 7] = 3   # expert 7 idle
+    got = impl["dispatch"](x, ids, E, align)
+    want = reference.moe_dispatch(x, ids, E, align=align)
+    want = (want[0],) + tuple(want[1])
+    for name, a, b in zip(("x_sorted", "expert_offsets", "slot_token", "token_slot"), got, want):
+        if not torch.equal(a, b):
+            return False, f"{name} differs from the reference"
+    w = torch.rand(T, k, device=dev, generator=g)
+    y = torch.randn(got[0].shape, device=dev, generator=g).to(dtype)
+    err = _moe_rel(impl["combine"](y, got[3], w), reference.moe_combine(y, got[3], w))
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    return err <= tol, f"dispatch bit-exact, N={got[0].shape[0]}; combine rel err {err:.1e} (tol {tol:.0e})"
+
+
+def moe_section(torch, glm5_ops, backends, quick, dev="cuda"):
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    g = torch.Generator(device=dev)
+    g.manual_seed(int(time.time()) & 0xFFFF)
+    # Uninitialised outputs read as NaN (torch fills them only in deterministic mode): a
+    # kernel that skips an element fails the finite checks.
+    import warnings
+    old_fill = torch.utils.deterministic.fill_uninitialized_memory
+    old_det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    warnings.filterwarnings("ignore", message=".*deterministic.*")
+    dtypes = [torch.float32, torch.bfloat16] + ([] if quick or dev == "cpu" else [torch.float16])
+    if dev == "cpu":
+        dtypes = [torch.float32, torch.float16]   # the interpreter has no bf16 math
+    cases = MOE_CASES if not (quick or dev == "cpu") else [c for c in MOE_CASES if c[0] * c[4] <= 3000]
+    try:
+        for be in backends:
+            impl_box = {}
+
+            def impl(be=be):
+                if "x" not in impl_box:
+                    impl_box["x"] = _moe_impl(torch, be, dev)
+                return impl_box["x"]
+
+            # Triton compiles one kernel per constexpr set (a second or two each on a
+            # cold cache): fewer router shapes and fp32 only in the BLOCK_M=32 tile config.
+            routes = MOE_ROUTES if be == "cpp" else MOE_ROUTES[::2]
+            for (E, ng, tg, k) in routes:
+                for dt in ([torch.float32, torch.bfloat16] if dev == "cuda" else [torch.float32]):
+                    def one(E=E, ng=ng, tg=tg, k=k, dt=dt):
+                        r = _moe_route_check(torch, impl(), E, ng, tg, k, dt, dev, g)
+                        sync()
+                        return r
+                    run_check(f"moe_route/{be}: {str(dt)[6:]} E={E} n_group={ng} topk_group={tg} k={k}", one)
+            if be == "cpp":
+                for dt in (torch.float32, torch.bfloat16):
+                    for align in (1, 16):
+                        run_check(f"moe_dispatch+combine/{be}: {str(dt)[6:]} align={align}",
+                                  lambda dt=dt, align=align: _moe_dispatch_check(torch, impl(), dt, align, dev, g))
+
+                def bad_ids():
+                    x = torch.randn(4, 8, device=dev)
+                    ids = torch.tensor([[0, 1]] * 3 + [[2, 9]], dtype=torch.int32, device=dev)
+                    try:
+                        impl()["fwd"](x, torch.randn(4, 4, 8, device=dev), torch.randn(4, 8, 2, device=dev),
+                                      torch.rand(4, 2, device=dev), ids)
+                    except RuntimeError as e:
+                        return "ids" in str(e), str(e).splitlines()[0][:120]
+                    return False, "ids out of range were accepted"
+                run_check(f"fused_moe_fwd/{be}: bad ids raise", bad_ids)
+            paths = [("", None)]
+            if be == "cpp" and dev == "cuda":
+                paths.append((" [GEMM loop]", "loop"))
+            for (T, E, k, D, I, kind) in cases:
+                for dt in dtypes:
+                    if be == "triton" and dev == "cuda" and (dt == torch.float16 or
+                                                             (dt == torch.float32 and T * k > 32 * E)):
+                        continue
+                    for tag, mode in paths:
+                        if mode and dt != torch.bfloat16:
+                            continue   # the grouped GEMM path exists for bf16 only
+
+                        def one(T=T, E=E, k=k, D=D, I=I, kind=kind, dt=dt, mode=mode):
+                            old = os.environ.pop("GLM5_MOE_GEMM", None)
+                            if mode:
+                                os.environ["GLM5_MOE_GEMM"] = mode
+                            try:
+                                r = _moe_fused_check(torch, impl(), T, E, k, D, I, kind, dt, dev, g)
+                                sync()
+                            finally:
+                                os.environ.pop("GLM5_MOE_GEMM", None)
+                                if old is not None:
+                                    os.environ["GLM5_MOE_GEMM"] = old
+                            return r
+                        run_check(f"fused_moe/{be}{tag}: {str(dt)[6:]} T={T} E={E} k={k} D={D} I={I} {kind}", one)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = old_fill
+        torch.use_deterministic_algorithms(old_det)
+
+
+def moe_timing_section(torch, glm5_ops, backends, quick, dev="cuda"):
+    if dev == "cuda":   # its own child process: a crash or timeout here keeps the checks
+        for be in backends:
+            _moe_timings(torch, be, quick)
+
+
+def _moe_timings(torch, be, quick):
+    timer = Timer(torch)
+    T, E, k, D, I = MOE_BENCH
+    dev = "cuda"
+    group = f"fused_moe fwd bf16 T={T} E={E} k={k} D={D} I={I}"
+    flops = 2.0 * T * k * 3 * D * I
+    # The ceiling: a square bf16 GEMM, measured here.
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    peak_ms = timed(timer, "bf16 matmul peak (8192^3)", f"torch.mm [moe {be} section]", lambda: a @ b,
+                    flops=2.0 * 8192 ** 3)
+    del a, b
+    peak = 2.0 * 8192 ** 3 / peak_ms / 1e9 if peak_ms else None
+    g = torch.Generator(device=dev)
+    g.manual_seed(1)
+    x = torch.randn(T, D, device=dev, generator=g, dtype=torch.bfloat16)
+    wgu = torch.randn(E, 2 * I, D, device=dev, generator=g, dtype=torch.bfloat16) * D ** -0.5
+    wd = torch.randn(E, D, I, device=dev, generator=g, dtype=torch.bfloat16) * I ** -0.5
+    ids = _moe_ids(torch, "random", T, E, k, dev, g)
+    wts = torch.rand(T, k, device=dev, generator=g)
+    impl = _moe_impl(torch, be, dev)
+    note = lambda ms: f"{flops / ms / 1e9 / peak:.0%} of the bf16 peak {peak:.0f} TFLOP/s" if ms and peak else ""  # noqa
+    fused_ms = timed(timer, group, f"{be} fused_moe_fwd", lambda: impl["fwd"](x, wgu, wd, wts, ids), flops=flops)
+    if fused_ms:
+        RESULTS["timings"][-1]["note"] = note(fused_ms)
+        log(f"    {be}: {note(fused_ms)}")
+    if be == "cpp":
+        old = os.environ.get("GLM5_MOE_GEMM")
+        os.environ["GLM5_MOE_GEMM"] = "loop"
+        try:
+            timed(timer, group, "cpp fused_moe_fwd [GEMM loop]", lambda: impl["fwd"](x, wgu, wd, wts, ids),
+                  flops=flops)
+        finally:
+            os.environ.pop("GLM5_MOE_GEMM")
+            if old is not None:
+                os.environ["GLM5_MOE_GEMM"] = old
+        xs, offs, _, ts = impl["dispatch"](x, ids, E, 1)
+        y = torch.empty_like(xs).normal_()
+        dc_ms = timed(timer, group, "cpp dispatch + combine", lambda: (impl["dispatch"](x, ids, E, 1),
+                                                                       impl["combine"](y, ts, wts)))
+        # Baselines: torch's grouped GEMM on pre-sorted rows (the GEMM ceiling reachable
+        # without fusion), and the HF-style per-expert loop in bf16.
+        if hasattr(torch, "_grouped_mm"):
+            ends = offs[1:].contiguous()
+
+            def grouped():
+                gu = torch._grouped_mm(xs, wgu.transpose(1, 2), offs=ends)
+                h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+                return torch._grouped_mm(h, wd.transpose(1, 2), offs=ends)
+            timed(timer, group, "torch._grouped_mm x2 + silu (GEMMs only, sorted rows)", grouped, flops=flops)
+        counts = torch.bincount(ids.flatten().long(), minlength=E).tolist()
+
+        def loop():
+            out = torch.zeros(T, D, device=dev, dtype=torch.bfloat16)
+            flat = ids.flatten().long()
+            order = flat.argsort(stable=True)
+            s = 0
+            for e, n in enumerate(counts):
+                if n == 0:
+                    continue
+                p = order[s:s + n]
+                s += n
+                tok = p // k
+                gate, up = (x[tok] @ wgu[e].T).chunk(2, dim=-1)
+                yv = (torch.nn.functional.silu(gate) * up) @ wd[e].T
+                out.index_add_(0, tok, (yv * wts.flatten()[p, None]).to(out.dtype))
+            return out
+        timed(timer, group, "torch per-expert loop (HF GlmMoeDsaExperts style, bf16)", loop, flops=flops)
+    else:
+        tm = impl["tm"]
+        cfg = tm._config(torch.bfloat16, False, T * k / E)
+        y = torch.randn(T * k, D, device=dev, dtype=torch.bfloat16)
+        dc_ms = timed(timer, group, "triton align + combine",
+                      lambda: (tm._Plan(ids, E, cfg["BLOCK_M"]), tm._combine(y, wts, T, k, D, torch.bfloat16)))
+    if fused_ms and dc_ms:
+        share = dc_ms / fused_ms
+        record_check(f"perf target/{be}: dispatch+combine share <= 10% of fused_moe fwd", share <= 0.10,
+                     f"{share:.1%} ({dc_ms:.2f} of {fused_ms:.2f} ms)")
+    if fused_ms and peak:
+        frac = flops / fused_ms / 1e9 / peak
+        record_check(f"perf target/{be}: fused_moe fwd >= 50% of bf16 matmul peak", frac >= 0.5,
+                     f"{frac:.0%} ({flops / fused_ms / 1e9:.0f} of {peak:.0f} TFLOP/s)")
+    # Full-size correctness: one row block against a float32 oracle on the same rows.
+    if not quick:
+        def full_check():
+            from glm5_ops import reference
+            out = impl["fwd"](x, wgu, wd, wts, ids)
+            rows = slice(0, 64)
+            ref = reference.fused_moe(x[rows], wgu, wd, wts[rows], ids[rows])
+            err = _moe_rel(out[rows], ref)
+            return err <= 1e-2, f"rel err {err:.1e} on 64 rows vs the reference (bf16 in, fp32 math)"
+        run_check(f"fused_moe/{be}: bench shape {T}x{D}, E={E}, k={k}", full_check)
+    del x, wgu, wd
+    torch.cuda.empty_cache()
+
+
+# Extra child sections, run after the indexer's: name -> fn(torch, glm5_ops, backends, quick, dev).
+SECTIONS = {"moe": moe_section, "moe-timings": moe_timing_section}
+
 
 
 if __name__ == "__main__":
