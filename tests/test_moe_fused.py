@@ -116,8 +116,8 @@ def test_big_expert_paths(impl):
     torch.set_num_threads(2)
     try:
         for T, E, k, kind in [(1100, 4, 2, "one_gets_all"), (600, 16, 8, "random")]:
-            x, wgu, wd, w, ids = _inputs(T, 12, 5, E, k, kind, torch.float32, seed=T)
-            dout = fresh(T, 12, seed=3)
+            x, wgu, wd, w, ids = _inputs(T, 32, 16, E, k, kind, torch.float32, seed=T)
+            dout = fresh(T, 32, seed=3)
             got = _run(glm5_ops.fused_moe, x, wgu, wd, w, ids, dout)
             truth = _run(reference.fused_moe, x.double(), wgu.double(), wd.double(), w.double(), ids, dout)
             for name, g, t in zip(NAMES, got, truth):

@@ -147,6 +147,18 @@ void to_acc(const S* src, A* dst, int64_t n) {
     at::vec::convert(src, dst, n);
 }
 
+// Below this much work a call runs on the calling thread: waking the other
+// workers costs more (and, on a shared machine, waits for a busy core's time
+// slice: ~10 ms measured under load at E=16, D=128). 2^24 FLOPs: ~0.2 ms on one core.
+constexpr int64_t kSerialFlops = int64_t(1) << 24;
+
+template <typename MakeScratch, typename Body>
+void run_items(int64_t n, bool serial, MakeScratch make_scratch, Body body) {
+  if (!serial) return parallel_dynamic(n, make_scratch, body);
+  auto scratch = make_scratch();
+  for (int64_t i = 0; i < n; ++i) body(i, scratch);
+}
+
 struct Plan {
   int64_t T = 0, k = 0, E = 0, N = 0;
   std::vector<int64_t> start;    // [E+1]: expert e owns sorted rows [start[e], start[e+1])
@@ -220,7 +232,7 @@ struct Item {
 template <typename scalar_t, typename acc_t>
 void gather_sum(const Plan& p, const acc_t* rows, const acc_t* scale, int64_t D, scalar_t* out) {
   const int64_t per_item = std::max<int64_t>(1, 16384 / (D * p.k + 1));
-  parallel_dynamic((p.T + per_item - 1) / per_item, [&] { return std::vector<acc_t>(D); },
+  run_items((p.T + per_item - 1) / per_item, 2 * p.N * D < kSerialFlops, [&] { return std::vector<acc_t>(D); },
                    [&](int64_t item, std::vector<acc_t>& buf) {
                      using Vec = at::vec::Vectorized<acc_t>;
                      for (int64_t t = item * per_item, t1 = std::min(p.T, t + per_item); t < t1; ++t) {
@@ -273,8 +285,9 @@ void fwd_kernel(const Plan& p, const Shapes& sh, const scalar_t* xp, const scala
   // Uninitialised: every row is written by exactly one item.
   const std::unique_ptr<acc_t[]> y_sorted(new acc_t[p.N * D]);
   using Vec = at::vec::Vectorized<acc_t>;
-  parallel_dynamic(static_cast<int64_t>(items.size()), [] { return Scratch<acc_t>(); },
-                   [&](int64_t it, Scratch<acc_t>& s) {
+  const bool serial = 6 * p.N * D * I < kSerialFlops;
+  run_items(static_cast<int64_t>(items.size()), serial, [] { return Scratch<acc_t>(); },
+            [&](int64_t it, Scratch<acc_t>& s) {
     const Item& item = items[it];
     const int64_t n = item.n;
     s.xs.resize(n * D);
@@ -387,19 +400,20 @@ template <typename scalar_t, typename acc_t>
 void bwd_kernel(const BwdArgs<scalar_t, acc_t>& A, scalar_t* dxp) {
   const Plan& p = A.p;
   const int64_t D = A.sh.D, I = A.sh.I, threads = at::get_num_threads();
+  const bool serial = 16 * p.N * D * I < kSerialFlops;
   std::vector<int64_t> big, small, idle;
   for (int64_t e = 0; e < p.E; ++e) {
     const int64_t n = p.rows(e);
     if (n == 0)
       idle.push_back(e);
-    else if (threads > 1 && n >= 64 && n * 4 * threads > p.N)  // > 1/(4 threads) of the rows: its own phase
+    else if (!serial && threads > 1 && n >= 64 && n * 4 * threads > p.N)  // > 1/(4 threads) of the rows: own phase
       big.push_back(e);
     else
       small.push_back(e);
   }
   std::stable_sort(small.begin(), small.end(), [&](int64_t a, int64_t b) { return p.rows(a) > p.rows(b); });
   // Experts nobody chose get zero weight gradients.
-  at::parallel_for(0, static_cast<int64_t>(idle.size()), 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, static_cast<int64_t>(idle.size()), serial ? int64_t(1) << 40 : 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       std::fill_n(A.dwgu + idle[i] * 2 * I * D, 2 * I * D, acc_t(0));
       std::fill_n(A.dwd + idle[i] * D * I, D * I, acc_t(0));
@@ -407,8 +421,8 @@ void bwd_kernel(const BwdArgs<scalar_t, acc_t>& A, scalar_t* dxp) {
   });
   Scratch<acc_t> s;
   for (int64_t e : big) expert_bwd<scalar_t, acc_t>(A, e, s, true);
-  parallel_dynamic(static_cast<int64_t>(small.size()), [] { return Scratch<acc_t>(); },
-                   [&](int64_t i, Scratch<acc_t>& sc) { expert_bwd<scalar_t, acc_t>(A, small[i], sc, false); });
+  run_items(static_cast<int64_t>(small.size()), serial, [] { return Scratch<acc_t>(); },
+            [&](int64_t i, Scratch<acc_t>& sc) { expert_bwd<scalar_t, acc_t>(A, small[i], sc, false); });
   gather_sum<scalar_t, acc_t>(p, A.dx_sorted, nullptr, D, dxp);
 }
 
