@@ -1,12 +1,19 @@
 """MoE routing, dispatch and combine: moe_route vs the reference router (the
 torch-op chain transformers runs), dispatch+combine vs an argsort-based
-permute / index_add un-permute. One pytest-benchmark group per op and shape,
-ours and the baseline side by side; FLOPs and bytes counted.
+permute / index_add un-permute; fused_moe (forward, forward+backward) vs
+transformers' GlmMoeDsaExperts loop, the reference loop and the dense-GEMM
+bound. One pytest-benchmark group per op and shape, ours and the baseline
+side by side; FLOPs and bytes counted.
 
     GLM5_BUILD_CUDA=0 python -m pytest bench/test_bench_moe.py --benchmark-json=moe.json
+    GLM5_BENCH_SMOKE=1 ...   # shrink the fused_moe shapes (E=16, D=128, I=64) to check the bench runs
 """
+import importlib.util
+import os
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import glm5_ops
 from conftest import DEVICE
@@ -132,3 +139,146 @@ def test_moe_permute_parts(benchmark, op, impl):
                                 ("argsort + index_select" if op == "dispatch" else "index_add un-permute"),
                                 bytes=4 * D * (T + N) + 4 * T * k * 2, ceiling="bandwidth")
     _run(benchmark, run_ours if impl == "ours" else run_base, rounds=10)
+
+
+# --------------------------------------------------------------- fused_moe --
+# Issue 4's acceptance shape: E=128 experts, top-8, D=1024, I=512, fp32 (the seed article's 128 experts).
+SMOKE = os.environ.get("GLM5_BENCH_SMOKE") == "1"
+FUSED = dict(E=16, k=8, D=128, I=64) if SMOKE else dict(E=128, k=8, D=1024, I=512)
+FUSED_T = [16, 256, 4096]
+HAVE_HF = importlib.util.find_spec("transformers") is not None
+
+
+def _hf_experts(wgu, wd):
+    """transformers' GlmMoeDsaExperts (eager loop) holding the given weights."""
+    from transformers import GlmMoeDsaConfig
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaExperts
+    E, I2, D = wgu.shape
+    cfg = GlmMoeDsaConfig(hidden_size=D, moe_intermediate_size=I2 // 2, n_routed_experts=E,
+                          num_experts_per_tok=FUSED["k"])
+    cfg._experts_implementation = "eager"
+    m = GlmMoeDsaExperts(cfg).to(DEVICE)
+    with torch.no_grad():
+        m.gate_up_proj.copy_(wgu)
+        m.down_proj.copy_(wd)
+    return m
+
+
+def _fused_inputs(T):
+    c = FUSED
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, c["D"], generator=g).to(DEVICE)
+    wgu = (torch.randn(c["E"], 2 * c["I"], c["D"], generator=g) * c["D"] ** -0.5).to(DEVICE)
+    wd = (torch.randn(c["E"], c["D"], c["I"], generator=g) * c["I"] ** -0.5).to(DEVICE)
+    ids = torch.stack([torch.randperm(c["E"], generator=g)[:c["k"]] for _ in range(T)]).to(DEVICE)
+    weights = torch.rand(T, c["k"], generator=g).to(DEVICE)
+    return x, wgu, wd, weights, ids
+
+
+def _fused_info(T, impl, names, passes=1):
+    """FLOPs (6 T k D I per forward: gate_up 4, down 2; the backward 12 more, +4 recomputed on "cpp"),
+    bytes: the chosen experts' weights read once plus x and out; at T <= 16 the weight read is the bound."""
+    c = FUSED
+    chosen = min(c["E"], T * c["k"])  # distinct experts touched (at most; random routing)
+    flops = 6 * T * c["k"] * c["D"] * c["I"] * passes
+    bytes_ = 4 * (3 * c["I"] * c["D"] * chosen + 2 * T * c["D"])
+    baseline = "hf" if HAVE_HF else "reference"
+    role = "ours" if impl == "ours" else ("baseline" if impl == baseline else "variant")
+    return dict(role=role, impl=names[impl], flops=flops, bytes=bytes_,
+                ceiling="bandwidth" if T <= 16 and passes == 1 else "matmul")
+
+
+FWD_NAMES = {"ours": "glm5 fused_moe (counting sort, grouped GEMM chain, gather combine)",
+             "hf": "transformers GlmMoeDsaExperts loop (eager)",
+             "reference": "reference.fused_moe (the same per-expert loop)",
+             "dense": "dense-GEMM bound: one [T*k,D] matmul chain, same FLOPs",
+             "permute": "moe_dispatch + moe_combine alone (identity experts)"}
+
+
+@pytest.mark.parametrize("impl", list(FWD_NAMES))
+@pytest.mark.parametrize("T", FUSED_T, ids=[f"T{t}" for t in FUSED_T])
+def test_fused_moe_forward(benchmark, T, impl):
+    c = FUSED
+    benchmark.group = f"fused_moe fwd T={T} E={c['E']} k={c['k']} D={c['D']} I={c['I']} fp32"
+    if impl == "hf" and not HAVE_HF:
+        pytest.skip("transformers is not installed (pip install --no-deps transformers==5.25.0 ...)")
+    x, wgu, wd, weights, ids = _fused_inputs(T)
+    ids32 = ids.to(torch.int32)
+    if impl == "ours":
+        def fn():
+            with glm5_ops.use_backend("cpp"):
+                return glm5_ops.fused_moe(x, wgu, wd, weights, ids32)
+    elif impl == "hf":
+        m = _hf_experts(wgu, wd)
+
+        def fn():
+            with torch.no_grad():
+                return m(x, ids, weights)
+    elif impl == "reference":
+        def fn():
+            return reference.fused_moe(x, wgu, wd, weights, ids32)
+    elif impl == "dense":
+        xr = x.repeat_interleave(c["k"], 0)
+        w1, w2 = wgu[0], wd[0]
+
+        def fn():
+            gate, up = F.linear(xr, w1).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, w2)
+    else:
+        def fn():
+            with glm5_ops.use_backend("cpp"):
+                xs, plan = moe.moe_dispatch(x, ids32, c["E"])
+                return moe.moe_combine(xs, plan, weights)
+    info = _fused_info(T, impl, FWD_NAMES)
+    if impl == "permute":
+        info.update(flops=0, bytes=4 * c["D"] * (T + T * c["k"]) * 2, ceiling="bandwidth")
+    benchmark.extra_info.update(info)
+    _run(benchmark, fn, rounds=3 if T >= 4096 or impl in ("hf", "reference") else 10)
+
+
+BWD_NAMES = {"ours": "glm5 fused_moe fwd+bwd (bwd recomputes gate/up)",
+             "hf": "autograd through transformers GlmMoeDsaExperts loop",
+             "reference": "autograd through reference.fused_moe loop",
+             "dense": "dense-GEMM bound fwd+bwd (autograd through one chain)"}
+
+
+@pytest.mark.parametrize("impl", list(BWD_NAMES))
+@pytest.mark.parametrize("T", [16, 256], ids=["T16", "T256"])
+def test_fused_moe_forward_backward(benchmark, T, impl):
+    c = FUSED
+    benchmark.group = f"fused_moe fwd+bwd T={T} E={c['E']} k={c['k']} D={c['D']} I={c['I']} fp32"
+    if impl == "hf" and not HAVE_HF:
+        pytest.skip("transformers is not installed")
+    x, wgu, wd, weights, ids = _fused_inputs(T)
+    dout = torch.randn_like(x)
+    ids32 = ids.to(torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (x, wgu, wd, weights)]
+    if impl == "hf":
+        m = _hf_experts(wgu, wd)
+        leaves[1], leaves[2] = m.gate_up_proj, m.down_proj
+
+        def layer():
+            return m(leaves[0], ids, leaves[3])
+    elif impl == "dense":
+        xr = x.repeat_interleave(c["k"], 0).requires_grad_()
+        w1, w2 = wgu[0].clone().requires_grad_(), wd[0].clone().requires_grad_()
+        leaves = [xr, w1, w2]
+
+        def layer():
+            gate, up = F.linear(xr, w1).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, w2)
+        dout = torch.randn(T * c["k"], c["D"], device=DEVICE)
+    else:
+        fused = glm5_ops.fused_moe if impl == "ours" else reference.fused_moe
+
+        def layer():
+            with glm5_ops.use_backend("cpp"):
+                return fused(leaves[0], leaves[1], leaves[2], leaves[3], ids32)
+
+    def fn():
+        for t in leaves:
+            t.grad = None
+        layer().backward(dout)
+
+    benchmark.extra_info.update(_fused_info(T, impl, BWD_NAMES, passes=3))
+    _run(benchmark, fn, rounds=1 if impl in ("hf", "reference") and not SMOKE else 3)

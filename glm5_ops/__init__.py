@@ -13,11 +13,11 @@ from . import moe  # noqa: F401  (register_fake + register_autograd of the MoE o
 from .attention import BlockMask, attention_recall, block_sparse_attention, block_topk_mask, sparse_attention
 from .compress import SavedTensorMeter, compressed_activations, dequantize, quantize_groupwise
 from .indexer import indexer_scores, indexer_topk, topk_indices
-from .moe import moe_combine, moe_dispatch, moe_route
+from .moe import fused_moe, moe_combine, moe_dispatch, moe_route
 from .reference import MoEPlan
 
 __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "indexer_scores", "topk_indices", "indexer_topk",
            "sparse_attention", "block_topk_mask", "block_sparse_attention", "BlockMask", "attention_recall",
-           "moe_route", "moe_dispatch", "moe_combine", "MoEPlan",
+           "moe_route", "moe_dispatch", "moe_combine", "fused_moe", "MoEPlan",
            "quantize_groupwise", "dequantize", "compressed_activations", "SavedTensorMeter"]

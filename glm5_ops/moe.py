@@ -24,8 +24,17 @@ token_slot, i.e. moe_combine with unit weights), moe_combine in y_sorted
 (scatter of weight * grad into the chosen rows, zero padding rows) and in
 weights (dweights[t, j] = grad[t] . y_sorted[token_slot[t, j]]).
 
-Semantics: glm5_ops/reference.py (moe_route, moe_dispatch, moe_combine).
-Backends: glm5_ops/_backend.py ("cpp", "reference"; no Triton kernel yet).
+fused_moe (the routed-expert layer, transformers' GlmMoeDsaExperts):
+  w_gate_up [E, 2I, D]   x.dtype    gate rows 0..I-1, up rows I..2I-1 (HF gate_up_proj)
+  w_down    [E, D, I]    x.dtype    HF down_proj
+  weights   [T, k]       fp32 | fp16 | bf16 | float64, ids [T, k] as above
+  out       [T, D]       x.dtype: sum_j weights[t,j] * W_down[e] (silu(g) * u), [g; u] = W_gate_up[e] x[t]
+  Differentiable in x, w_gate_up, w_down and weights (fused_moe_bwd recomputes
+  the gate/up activations; nothing but the inputs is saved).
+
+Semantics: glm5_ops/reference.py (moe_route, moe_dispatch, moe_combine, fused_moe).
+Backends: glm5_ops/_backend.py ("cpp", "reference"; "triton" for moe_route and
+fused_moe through glm5_ops/triton/moe.py).
 """
 from __future__ import annotations
 
@@ -33,7 +42,7 @@ import torch
 
 from . import _checks as check
 from . import reference
-from ._backend import _C, cpp_ops, dispatch
+from ._backend import _C, cpp_ops, current_backend, dispatch, triton_module
 from .reference import MoEPlan
 
 MOE_FLOAT_DTYPES = check.FLOAT_DTYPES + (torch.float64,)
@@ -92,6 +101,8 @@ def moe_route(h, gate_w, bias, *, top_k: int, n_group: int = 1, topk_group: int 
     return dispatch("moe_route", device, {
         "cpp": lambda: cpp_ops().moe_route(h2, gate_w, bias, top_k, n_group, topk_group,
                                            float(routed_scaling_factor), bool(norm_topk_prob)),
+        "triton": lambda: triton_module("moe", device).moe_route(h2, gate_w, bias, top_k, n_group, topk_group,
+                                                                 float(routed_scaling_factor), bool(norm_topk_prob)),
         "reference": lambda: reference.moe_route(h2, gate_w, bias, **args),
     })
 
@@ -158,6 +169,70 @@ def moe_combine(y_sorted, plan, weights):
     })
 
 
+# --------------------------------------------------------------- fused_moe --
+
+def fused_moe(x, w_gate_up, w_down, weights, ids):
+    """The routed experts in one call: dispatch by expert, grouped SwiGLU, weighted combine.
+
+    x [T, D]; w_gate_up [E, 2I, D] and w_down [E, D, I] in x.dtype (HF layout);
+    weights [T, k] (moe_route's mixing weights); ids int32/int64 [T, k] in [0, E).
+    Returns [T, D] in x.dtype, computed in fp32 (float64 for float64):
+        out[t] = sum_j weights[t, j] * swiglu_expert(x[t], w_gate_up[ids[t, j]], w_down[ids[t, j]])
+    An expert may get no token, and a token may pick one expert twice.
+    Differentiable in x, w_gate_up, w_down and weights."""
+    check.tensor(x, "x", "[T,D]", rank=2, dtypes=MOE_FLOAT_DTYPES)
+    T, D = x.shape
+    check.tensor(w_gate_up, "w_gate_up", f"[E,2I,D={D}]", rank=3, dtypes=MOE_FLOAT_DTYPES)
+    if w_gate_up.shape[2] != D or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must have shape [E,2I,D={D}] (an even number of gate+up rows), "
+                         f"got shape {tuple(w_gate_up.shape)}")
+    E, I = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    _int(E, "the expert count E of w_gate_up", 1)
+    check.tensor(w_down, "w_down", f"[E={E},D={D},I={I}]", rank=3, dtypes=MOE_FLOAT_DTYPES)
+    if tuple(w_down.shape) != (E, D, I):
+        raise ValueError(f"w_down must have shape [E={E},D={D},I={I}] to match w_gate_up, "
+                         f"got shape {tuple(w_down.shape)}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} must have the dtype of x ({_dtype_name(x.dtype)}), got {_dtype_name(w.dtype)}")
+    check.tensor(ids, "ids", f"[T={T},k]", rank=2, dtypes=check.INDEX_DTYPES)
+    check.dim(ids, "ids", f"[T={T},k]", 0, T, "T")
+    k = ids.shape[1]
+    check.tensor(weights, "weights", f"[T,k]=[{T},{k}]", rank=2, dtypes=MOE_FLOAT_DTYPES)
+    if tuple(weights.shape) != (T, k):
+        raise ValueError(f"weights must have shape [T,k]=[{T},{k}] like ids, got shape {tuple(weights.shape)}")
+    if T * k > _INT32_MAX:
+        raise ValueError(f"fused_moe: T*k = {T * k} (token, slot) pairs must fit int32")
+    device = check.same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, weights=weights, ids=ids)
+    _ids_in_range(ids, E, "ids", f"expert ids of w_gate_up's E={E} experts")
+    x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
+    weights, ids = weights.contiguous(), ids.to(torch.int32).contiguous()
+    if current_backend(device) == "triton":
+        return _TritonFusedMoE.apply(x, w_gate_up, w_down, weights, ids)
+    return dispatch("fused_moe", device, {
+        "cpp": lambda: cpp_ops().fused_moe_fwd(x, w_gate_up, w_down, weights, ids),
+        "reference": lambda: reference.fused_moe(x, w_gate_up, w_down, weights, ids),
+    })
+
+
+class _TritonFusedMoE(torch.autograd.Function):
+    """"triton": the kernels of glm5_ops/triton/moe.py; the backward, like the
+    C++ one, recomputes the activations from the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate_up, w_down, weights, ids):
+        out = triton_module("moe", x.device).fused_moe_fwd(x, w_gate_up, w_down, weights, ids)
+        ctx.save_for_backward(x, w_gate_up, w_down, weights, ids)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w_gate_up, w_down, weights, ids = ctx.saved_tensors
+        dx, dwgu, dwd, dw = triton_module("moe", x.device).fused_moe_bwd(dout.contiguous(), x, w_gate_up, w_down,
+                                                                         weights, ids)
+        return dx, dwgu, dwd, dw, None
+
+
 # ------------------------------------------- register_fake and autograd --
 
 def _acc(*tensors) -> torch.dtype:
@@ -222,3 +297,22 @@ if _C is not None:
         return dy, None, dw
 
     torch.library.register_autograd("glm5::moe_combine", _combine_backward, setup_context=_combine_setup)
+
+    @torch.library.register_fake("glm5::fused_moe_fwd")
+    def _fused_moe_fwd_fake(x, w_gate_up, w_down, weights, ids):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("glm5::fused_moe_bwd")
+    def _fused_moe_bwd_fake(dout, x, w_gate_up, w_down, weights, ids):
+        return x.new_empty(x.shape), w_gate_up.new_empty(w_gate_up.shape), w_down.new_empty(w_down.shape), \
+            weights.new_empty(weights.shape)
+
+    def _fused_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)  # the inputs only: the backward recomputes the activations
+
+    def _fused_backward(ctx, grad):
+        x, w_gate_up, w_down, weights, ids = ctx.saved_tensors
+        dx, dwgu, dwd, dw = torch.ops.glm5.fused_moe_bwd(grad.contiguous(), x, w_gate_up, w_down, weights, ids)
+        return dx, dwgu, dwd, dw, None
+
+    torch.library.register_autograd("glm5::fused_moe_fwd", _fused_backward, setup_context=_fused_setup)

@@ -1,10 +1,12 @@
 """moe_route, moe_dispatch and moe_combine on every backend vs the reference
 (glm5_ops/reference.py), their gradients, opcheck and bad input."""
+import importlib.util
+
 import pytest
 import torch
 
 import glm5_ops
-from conftest import DEVICE, fresh
+from conftest import DEVICE, INTERPRETED, fresh
 from glm5_ops import moe, reference
 from glm5_ops.reference import MoEPlan
 
@@ -36,6 +38,14 @@ def impl(backend):
     return backend
 
 
+@pytest.fixture
+def route_impl(backend):
+    """moe_route also has a Triton kernel (glm5_ops/triton/moe.py), tested once it is merged."""
+    if backend == "triton" and importlib.util.find_spec("glm5_ops.triton.moe") is None:
+        pytest.skip("glm5_ops/triton/moe.py not merged yet")
+    return backend
+
+
 def _as_sets(weights, ids):
     """Sorts each row's slots by expert id (HF's topk(sorted=False) order is unspecified)."""
     order = ids.long().argsort(dim=-1)
@@ -44,7 +54,9 @@ def _as_sets(weights, ids):
 
 @pytest.mark.parametrize("E,n_group,topk_group,top_k", ROUTES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_route_matches_reference(impl, poisoned, E, n_group, topk_group, top_k, dtype):
+def test_route_matches_reference(route_impl, poisoned, E, n_group, topk_group, top_k, dtype):
+    if route_impl == "triton" and INTERPRETED and dtype == torch.bfloat16:
+        pytest.skip("the Triton interpreter has no bf16 math")
     for T, D, norm, scale in [(1, 64, True, 2.5), (67, 96, True, 1.0), (200, 33, False, 2.5)]:
         h, gate_w, bias = _route_inputs(T, D, E, dtype, seed=T + E)
         args = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale,
@@ -62,7 +74,7 @@ def test_route_matches_reference(impl, poisoned, E, n_group, topk_group, top_k, 
         assert all(len(set(row)) <= topk_group for row in groups.tolist())
 
 
-def test_route_bias_steers_choice_not_weights(impl):
+def test_route_bias_steers_choice_not_weights(route_impl):
     E, D = 16, 32
     h, gate_w, _ = _route_inputs(5, D, E, torch.float32, seed=3)
     bias = torch.zeros(E, device=DEVICE)
@@ -272,7 +284,7 @@ def test_triton_backend_is_not_implemented():
             glm5_ops.moe.moe_combine(fresh(4, 8), torch.zeros(2, 2, dtype=torch.int32, device=DEVICE), fresh(2, 2))
 
 
-def test_route_nan_input_gives_valid_ids(impl):
+def test_route_nan_input_gives_valid_ids(route_impl):
     """NaN activations never produce garbage ids (a NaN score never beats a number on "cpp")."""
     h, gate_w, bias = _route_inputs(4, 16, 32, torch.float32, seed=9)
     h[1] = float("nan")
@@ -299,7 +311,7 @@ def test_layouts_and_mixed_dtypes(impl):
 
 
 @pytest.mark.parametrize("E,n_group,topk_group,top_k", ROUTES)
-def test_route_matches_hf_router_transcription(impl, E, n_group, topk_group, top_k):
+def test_route_matches_hf_router_transcription(route_impl, E, n_group, topk_group, top_k):
     """Against the line-by-line transcription of transformers' GlmMoeDsaTopkRouter.forward
     (tests/test_reference_oracles.py; HF's own class is checked there when transformers is
     installed): same experts (as sets: HF uses topk(sorted=False)), weights within 1e-6."""
