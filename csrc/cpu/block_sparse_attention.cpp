@@ -65,6 +65,18 @@ void mask_future(float* s, int64_t Mp, int64_t nt, int64_t t0, int64_t first, in
   }
 }
 
+// Prefetches the k and v rows of key block j (kv head g) into L2 while the
+// current block computes: a head's rows sit Hkv*D apart, too sparse for the
+// hardware prefetcher to run ahead of the products.
+void prefetch_block(const BlockProblem& P, int64_t b, int64_t g, int64_t j) {
+  const AttentionInputs& in = P.in;
+  const int64_t t0 = j * P.bs, t1 = std::min(in.T, t0 + P.bs);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t d = 0; d < in.Dk; d += 16) __builtin_prefetch(in.krow(b, t, g) + d, 0, 2);
+    for (int64_t d = 0; d < in.Dv; d += 16) __builtin_prefetch(in.vrow(b, t, g) + d, 0, 2);
+  }
+}
+
 // Calls tile(t0, nt) for each key sub-tile of item (b, h, i) that some of
 // its queries may see; `first` is the absolute position of the block's first query.
 template <typename Tile>
@@ -75,6 +87,7 @@ void for_each_tile(const BlockProblem& P, int64_t b, int64_t h, int64_t i, int64
   for (int64_t e = 0; e < P.num[row]; ++e) {
     const int64_t j = P.idx[row * P.Wd + e];
     const int64_t end = std::min(in.T, (j + 1) * P.bs);
+    if (e + 1 < P.num[row]) prefetch_block(P, b, h / in.G, P.idx[row * P.Wd + e + 1]);
     for (int64_t t0 = j * P.bs; t0 < end; t0 += kTile) {
       if (P.causal && t0 > last) break;
       const int64_t nt = std::min(kTile, end - t0);

@@ -56,13 +56,13 @@ struct Layout {
 struct Scratch {
   Layout lay;
   std::vector<int32_t> keys;
-  std::vector<const float*> krows, vrows;
+  std::vector<const float*> krows, vrows, next;
   std::vector<float*> dkrows, dvrows;
   // qs: scale * Q rows of one kv head, [G][Dk] (by_key: transposed [Dk][Gp], zero padded)
   // dot: dO the same way, [G][Dv] or [Dv][Gp]; s, dp: score tiles; o: output rows [G][Dv]
   std::vector<float> qs, dot, s, dp, o, m, l, alpha, lse, delta;
   Scratch(const AttentionInputs& in, int64_t topk)
-      : lay(in.G), keys(topk), krows(kTile), vrows(kTile), dkrows(kTile), dvrows(kTile),
+      : lay(in.G), keys(topk), krows(kTile), vrows(kTile), next(2 * kTile), dkrows(kTile), dvrows(kTile),
         qs(lay.Gp * in.Dk, 0.f), dot(lay.Gp * in.Dv, 0.f), s(lay.Gp * kTile), dp(lay.Gp * kTile), o(in.G * in.Dv),
         m(lay.Gp), l(lay.Gp), alpha(lay.Gp), lse(lay.Gp, 0.f), delta(lay.Gp, 0.f) {}
 
@@ -80,10 +80,20 @@ struct Scratch {
   }
 };
 
-void set_rows(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* keys, int64_t n, Scratch& sc) {
-  for (int64_t j = 0; j < n; ++j) {
-    sc.krows[j] = in.krow(b, keys[j], g);
-    sc.vrows[j] = in.vrow(b, keys[j], g);
+// Points krows/vrows at the tile's keys [t0, t0 + nt) and prefetches the next tile's rows.
+void set_rows(const AttentionInputs& in, int64_t b, int64_t g, const Scratch& sc_keys, int64_t t0, int64_t nt,
+              int64_t n, Scratch& sc) {
+  const int32_t* keys = sc_keys.keys.data();
+  for (int64_t j = 0; j < nt; ++j) {
+    sc.krows[j] = in.krow(b, keys[t0 + j], g);
+    sc.vrows[j] = in.vrow(b, keys[t0 + j], g);
+  }
+  const int64_t t1 = t0 + nt, n1 = std::min(kTile, n - t1);
+  for (int64_t j = 0; j < n1; ++j) sc.next[j] = in.krow(b, keys[t1 + j], g);
+  tiles::prefetch_rows(sc.next.data(), n1, in.Dk);
+  if (in.vp != in.kp || in.vst != in.kst || in.vsh != in.ksh) {  // v not a view of k's rows
+    for (int64_t j = 0; j < n1; ++j) sc.next[j] = in.vrow(b, keys[t1 + j], g);
+    tiles::prefetch_rows(sc.next.data(), n1, in.Dv);
   }
 }
 
@@ -154,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += kTile) {
         const int64_t nt = std::min(kTile, n - t0);
-        set_rows(in, b, g, sc.keys.data() + t0, nt, sc);
+        set_rows(in, b, g, sc, t0, nt, n, sc);
         sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
         softmax_tile(sc, nt, Dv);
         tiles::gather(sc.s.data(), L.wi(), L.wj(), G, sc.vrows.data(), nt, Dv, sc.o.data(), Dv);
@@ -213,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
       }
       for (int64_t t0 = 0; t0 < n; t0 += kTile) {
         const int64_t nt = std::min(kTile, n - t0);
-        set_rows(in, b, g, sc.keys.data() + t0, nt, sc);
+        set_rows(in, b, g, sc, t0, nt, n, sc);
         for (int64_t j = 0; j < nt; ++j) {
           const int64_t r = (b * in.T + sc.keys[t0 + j]) * in.Hkv + g;
           sc.dkrows[j] = sc.dk + r * Dk;
