@@ -77,6 +77,16 @@ void prefetch_block(const BlockProblem& P, int64_t b, int64_t g, int64_t j) {
   }
 }
 
+// Prefetches the query rows of `item` (b, h, query block), one head's slice
+// of each row, Hq*Dk apart: fetched on demand they stall the transposition.
+void prefetch_queries(const BlockProblem& P, int64_t item) {
+  const AttentionInputs& in = P.in;
+  if (item >= in.B * in.Hq * P.Qb) return;
+  const int64_t i = item % P.Qb, h = (item / P.Qb) % in.Hq, b = item / (P.Qb * in.Hq);
+  for (int64_t s = i * P.bs; s < std::min(in.S, (i + 1) * P.bs); ++s)
+    for (int64_t d = 0; d < in.Dk; d += 16) __builtin_prefetch(in.qrow(b, s, h) + d, 0, 2);
+}
+
 // Calls tile(t0, nt) for each key sub-tile of item (b, h, i) that some of
 // its queries may see; `first` is the absolute position of the block's first query.
 template <typename Tile>
@@ -112,10 +122,12 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd_cpu(
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
 
+  const int64_t workers = at::get_num_threads();  // a worker's next item is usually `workers` further on
   parallel_dynamic(in.B * in.Hq * P.Qb, [&] { return Scratch(in, block_size); }, [&](int64_t item, Scratch& sc) {
     const int64_t i = item % P.Qb, h = (item / P.Qb) % in.Hq, b = item / (P.Qb * in.Hq);
     const int64_t s0 = i * block_size, M = std::min(block_size, in.S - s0), g = h / in.G;
     const int64_t first = in.q_start[b] + s0, Mp = sc.Mp;
+    prefetch_queries(P, item + workers);
     load_transposed(in.qrow(b, s0, h), in.Hq * Dk, M, Dk, static_cast<float>(scale), Mp, sc.qt);
     std::fill(sc.o.begin(), sc.o.end(), 0.f);
     std::fill(sc.m.begin(), sc.m.end(), kNegInf);
