@@ -156,4 +156,59 @@ inline void check_block_topk_args(const at::Tensor& q, const at::Tensor& k, int6
   TORCH_CHECK(pooling == "mean" || pooling == "minmax", "pooling must be 'mean' or 'minmax', got '", pooling, "'");
 }
 
+// --- Mixture of Experts ---
+
+inline bool is_moe_float(at::ScalarType t) { return is_kernel_float(t) || t == at::kDouble; }
+
+// moe_route: h[T,D], gate_w[E,D], bias[E] (float dtypes), group-limited top-k arguments.
+inline void check_route_args(const at::Tensor& h, const at::Tensor& gate_w, const at::Tensor& bias, int64_t top_k,
+                             int64_t n_group, int64_t topk_group) {
+  TORCH_CHECK(h.dim() == 2, "h must have shape [T,D], got a tensor of rank ", h.dim());
+  GLM5_CHECK_FLOAT(h, "h");
+  GLM5_CHECK_FLOAT(gate_w, "gate_w");
+  GLM5_CHECK_FLOAT(bias, "bias");
+  const int64_t D = h.size(1);
+  TORCH_CHECK(gate_w.dim() == 2 && gate_w.size(1) == D, "gate_w must have shape [E,D=", D, "], got ", gate_w.sizes());
+  const int64_t E = gate_w.size(0);
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == E, "bias must have shape [E=", E, "], got ", bias.sizes());
+  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && E / n_group >= 2, "n_group=", n_group, " must divide E=", E,
+              " into groups of at least 2 experts");
+  TORCH_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group must be in [1, n_group=", n_group, "], got ",
+              topk_group);
+  const int64_t per_group = E / n_group;
+  TORCH_CHECK(top_k >= 1 && top_k <= topk_group * per_group, "top_k must be in [1, topk_group * E / n_group = ",
+              topk_group * per_group, "], got ", top_k);
+  TORCH_CHECK(E < (int64_t(1) << 31), "gate_w: E must be < 2^31 for int32 ids, got ", E);
+  TORCH_CHECK(gate_w.device() == h.device() && bias.device() == h.device(), "h, gate_w and bias must be on one device");
+}
+
+// fused_moe: x[T,D] (fp32/fp16/bf16/float64), w_gate_up[E,2I,D] and w_down[E,D,I] in x's dtype,
+// weights [T,k] (float), ids int32 [T,k]; one device.
+inline void check_fused_moe_args(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down,
+                                 const at::Tensor& weights, const at::Tensor& ids) {
+  TORCH_CHECK(x.dim() == 2, "x must have shape [T,D], got a tensor of rank ", x.dim());
+  const auto st = x.scalar_type();
+  TORCH_CHECK(is_moe_float(st), "x must be fp32, fp16, bf16 or float64, got ", st);
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(w_gate_up.dim() == 3 && w_gate_up.size(2) == D && w_gate_up.size(1) % 2 == 0,
+              "w_gate_up must have shape [E,2I,D=", D, "], got ", w_gate_up.sizes());
+  const int64_t E = w_gate_up.size(0), I = w_gate_up.size(1) / 2;
+  TORCH_CHECK(w_down.dim() == 3 && w_down.size(0) == E && w_down.size(1) == D && w_down.size(2) == I,
+              "w_down must have shape [E=", E, ",D=", D, ",I=", I, "], got ", w_down.sizes());
+  TORCH_CHECK(w_gate_up.scalar_type() == st && w_down.scalar_type() == st,
+              "w_gate_up and w_down must have the dtype of x (", st, "), got ", w_gate_up.scalar_type(), " and ",
+              w_down.scalar_type());
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "ids must have shape [T=", T, ",k], got ", ids.sizes());
+  TORCH_CHECK(ids.scalar_type() == at::kInt, "ids must be int32, got ", ids.scalar_type());
+  TORCH_CHECK(weights.sizes() == ids.sizes(), "weights must have shape [T,k] = ", ids.sizes(), " like ids, got ",
+              weights.sizes());
+  TORCH_CHECK(is_moe_float(weights.scalar_type()), "weights must be fp32, fp16, bf16 or float64, got ",
+              weights.scalar_type());
+  TORCH_CHECK(E >= 1 && E < (int64_t(1) << 31), "w_gate_up: E must be in [1, 2^31), got ", E);
+  TORCH_CHECK(T * ids.size(1) < (int64_t(1) << 31), "T*k must be < 2^31, got ", T * ids.size(1));
+  const auto dev = x.device();
+  TORCH_CHECK(w_gate_up.device() == dev && w_down.device() == dev && weights.device() == dev && ids.device() == dev,
+              "x, w_gate_up, w_down, weights and ids must be on one device");
+}
+
 }  // namespace glm5

@@ -198,29 +198,8 @@ struct Shapes {
 
 Shapes check_args(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down,
                   const at::Tensor& weights, const at::Tensor& ids) {
-  TORCH_CHECK(x.dim() == 2, "x must have shape [T,D], got a tensor of rank ", x.dim());
-  const auto st = x.scalar_type();
-  TORCH_CHECK(is_kernel_float(st) || st == at::kDouble, "x must be fp32, fp16, bf16 or float64, got ", st);
-  const int64_t T = x.size(0), D = x.size(1);
-  TORCH_CHECK(w_gate_up.dim() == 3 && w_gate_up.size(2) == D && w_gate_up.size(1) % 2 == 0,
-              "w_gate_up must have shape [E,2I,D=", D, "], got ", w_gate_up.sizes());
-  const int64_t E = w_gate_up.size(0), I = w_gate_up.size(1) / 2;
-  TORCH_CHECK(w_down.dim() == 3 && w_down.size(0) == E && w_down.size(1) == D && w_down.size(2) == I,
-              "w_down must have shape [E=", E, ",D=", D, ",I=", I, "], got ", w_down.sizes());
-  TORCH_CHECK(w_gate_up.scalar_type() == st && w_down.scalar_type() == st, "w_gate_up and w_down must have the dtype of x (",
-              st, "), got ", w_gate_up.scalar_type(), " and ", w_down.scalar_type());
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "ids must have shape [T=", T, ",k], got ", ids.sizes());
-  TORCH_CHECK(ids.scalar_type() == at::kInt, "ids must be int32, got ", ids.scalar_type());
-  TORCH_CHECK(weights.sizes() == ids.sizes(), "weights must have shape [T,k] = ", ids.sizes(), " like ids, got ",
-              weights.sizes());
-  const auto wt = weights.scalar_type();
-  TORCH_CHECK(is_kernel_float(wt) || wt == at::kDouble, "weights must be fp32, fp16, bf16 or float64, got ", wt);
-  TORCH_CHECK(E >= 1 && E < (int64_t(1) << 31), "w_gate_up: E must be in [1, 2^31), got ", E);
-  TORCH_CHECK(T * ids.size(1) < (int64_t(1) << 31), "T*k must be < 2^31, got ", T * ids.size(1));
-  const auto dev = x.device();
-  TORCH_CHECK(w_gate_up.device() == dev && w_down.device() == dev && weights.device() == dev && ids.device() == dev,
-              "x, w_gate_up, w_down, weights and ids must be on one device");
-  return {T, D, E, I, ids.size(1)};
+  check_fused_moe_args(x, w_gate_up, w_down, weights, ids);
+  return {x.size(0), x.size(1), w_gate_up.size(0), w_gate_up.size(1) / 2, ids.size(1)};
 }
 
 // Work items, biggest first: (expert, first row, row count).

@@ -42,7 +42,6 @@ namespace glm5 {
 namespace cpu {
 namespace {
 
-bool is_moe_float(at::ScalarType t) { return is_kernel_float(t) || t == at::kDouble; }
 
 // ---------------------------------------------------------------- routing --
 
@@ -81,23 +80,8 @@ struct RouteScratch {
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tensor& gate_w, const at::Tensor& bias,
                                              int64_t top_k, int64_t n_group, int64_t topk_group,
                                              double routed_scaling_factor, bool norm_topk_prob) {
-  TORCH_CHECK(h.dim() == 2, "h must have shape [T,D], got a tensor of rank ", h.dim());
-  GLM5_CHECK_FLOAT(h, "h");
-  GLM5_CHECK_FLOAT(gate_w, "gate_w");
-  GLM5_CHECK_FLOAT(bias, "bias");
-  const int64_t T = h.size(0), D = h.size(1);
-  TORCH_CHECK(gate_w.dim() == 2 && gate_w.size(1) == D, "gate_w must have shape [E,D=", D, "], got ", gate_w.sizes());
-  const int64_t E = gate_w.size(0);
-  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == E, "bias must have shape [E=", E, "], got ", bias.sizes());
-  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && E / n_group >= 2, "n_group=", n_group, " must divide E=", E,
-              " into groups of at least 2 experts");
-  TORCH_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group must be in [1, n_group=", n_group, "], got ",
-              topk_group);
-  const int64_t per_group = E / n_group;
-  TORCH_CHECK(top_k >= 1 && top_k <= topk_group * per_group, "top_k must be in [1, topk_group * E / n_group = ",
-              topk_group * per_group, "], got ", top_k);
-  TORCH_CHECK(E < (int64_t(1) << 31), "gate_w: E must be < 2^31 for int32 ids, got ", E);
-  TORCH_CHECK(gate_w.device() == h.device() && bias.device() == h.device(), "h, gate_w and bias must be on one device");
+  check_route_args(h, gate_w, bias, top_k, n_group, topk_group);
+  const int64_t T = h.size(0), E = gate_w.size(0), per_group = E / n_group;
 
   at::Tensor weights = at::empty({T, top_k}, h.options().dtype(at::kFloat));
   at::Tensor ids = at::empty({T, top_k}, h.options().dtype(at::kInt));

@@ -65,7 +65,6 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kChunk = 256;        // pairs per warp in dispatch (histogram row = chunk)
 constexpr int kWarpsPerBlock = 8;
 
-bool is_moe_float(at::ScalarType t) { return is_kernel_float(t) || t == at::kDouble; }
 
 int blocks_for(int64_t n, int per_block) { return static_cast<int>((n + per_block - 1) / per_block); }
 
@@ -76,29 +75,6 @@ void check_ids(const at::Tensor& ids, int64_t T, const at::Device& dev) {
   TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "ids must be int32 (or int64), got ",
               ids.scalar_type());
   TORCH_CHECK(ids.device() == dev, "ids must be on ", dev, " like x, got ", ids.device());
-}
-
-void check_fused_args(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& w_down,
-                      const at::Tensor& weights, const at::Tensor& ids) {
-  TORCH_CHECK(x.dim() == 2, "x must have shape [T,D], got a tensor of rank ", x.dim());
-  TORCH_CHECK(is_moe_float(x.scalar_type()), "x must be fp32, fp16, bf16 or float64, got ", x.scalar_type());
-  const int64_t T = x.size(0), D = x.size(1);
-  TORCH_CHECK(w_gate_up.dim() == 3 && w_gate_up.size(2) == D && w_gate_up.size(1) % 2 == 0,
-              "w_gate_up must have shape [E,2I,D=", D, "], got ", w_gate_up.sizes());
-  const int64_t E = w_gate_up.size(0), I = w_gate_up.size(1) / 2;
-  TORCH_CHECK(w_down.dim() == 3 && w_down.size(0) == E && w_down.size(1) == D && w_down.size(2) == I,
-              "w_down must have shape [E=", E, ",D=", D, ",I=", I, "], got ", w_down.sizes());
-  TORCH_CHECK(w_gate_up.scalar_type() == x.scalar_type() && w_down.scalar_type() == x.scalar_type(),
-              "w_gate_up and w_down must have the dtype of x (", x.scalar_type(), "), got ",
-              w_gate_up.scalar_type(), " and ", w_down.scalar_type());
-  check_ids(ids, T, x.device());
-  TORCH_CHECK(weights.sizes() == ids.sizes(), "weights must have shape [T,k] = ", ids.sizes(), " like ids, got ",
-              weights.sizes());
-  TORCH_CHECK(is_moe_float(weights.scalar_type()), "weights must be fp32, fp16, bf16 or float64, got ",
-              weights.scalar_type());
-  TORCH_CHECK(w_gate_up.device() == x.device() && w_down.device() == x.device() && weights.device() == x.device(),
-              "x, w_gate_up, w_down, weights and ids must be on one device");
-  TORCH_CHECK(E >= 1 && E < (int64_t(1) << 31), "w_gate_up: E must be in [1, 2^31), got ", E);
 }
 
 // ------------------------------------------------------------ small math --
@@ -218,21 +194,8 @@ __global__ void route_kernel(const float* __restrict__ logits, const float* __re
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tensor& gate_w, const at::Tensor& bias,
                                              int64_t top_k, int64_t n_group, int64_t topk_group,
                                              double routed_scaling_factor, bool norm_topk_prob) {
-  TORCH_CHECK(h.dim() == 2, "h must have shape [T,D], got a tensor of rank ", h.dim());
-  GLM5_CHECK_FLOAT(h, "h");
-  GLM5_CHECK_FLOAT(gate_w, "gate_w");
-  GLM5_CHECK_FLOAT(bias, "bias");
-  const int64_t T = h.size(0), D = h.size(1);
-  TORCH_CHECK(gate_w.dim() == 2 && gate_w.size(1) == D, "gate_w must have shape [E,D=", D, "], got ", gate_w.sizes());
-  const int64_t E = gate_w.size(0);
-  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == E, "bias must have shape [E=", E, "], got ", bias.sizes());
-  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && E / n_group >= 2, "n_group=", n_group, " must divide E=", E,
-              " into groups of at least 2 experts");
-  TORCH_CHECK(topk_group >= 1 && topk_group <= n_group, "topk_group must be in [1, n_group=", n_group, "], got ",
-              topk_group);
-  TORCH_CHECK(top_k >= 1 && top_k <= topk_group * (E / n_group), "top_k must be in [1, topk_group * E / n_group = ",
-              topk_group * (E / n_group), "], got ", top_k);
-  TORCH_CHECK(gate_w.device() == h.device() && bias.device() == h.device(), "h, gate_w and bias must be on one device");
+  check_route_args(h, gate_w, bias, top_k, n_group, topk_group);
+  const int64_t T = h.size(0), D = h.size(1), E = gate_w.size(0);  // checked by check_route_args
   const c10::cuda::CUDAGuard guard(h.device());
   at::Tensor weights = at::empty({T, top_k}, h.options().dtype(at::kFloat));
   at::Tensor ids = at::empty({T, top_k}, h.options().dtype(at::kInt));
@@ -614,7 +577,7 @@ Fwd gate_up(const at::Tensor& x, const at::Tensor& w_gate_up, const at::Tensor& 
 
 at::Tensor fused_moe_fwd(const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& w_down_in,
                          const at::Tensor& weights, const at::Tensor& ids) {
-  check_fused_args(x_in, w_gate_up_in, w_down_in, weights, ids);
+  check_fused_moe_args(x_in, w_gate_up_in, w_down_in, weights, ids);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), w_gate_up = w_gate_up_in.contiguous(), w_down = w_down_in.contiguous();
   const int64_t T = x.size(0), D = x.size(1), I = w_down.size(2);
@@ -639,7 +602,7 @@ at::Tensor fused_moe_fwd(const at::Tensor& x_in, const at::Tensor& w_gate_up_in,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bwd(
     const at::Tensor& dout_in, const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& w_down_in,
     const at::Tensor& weights, const at::Tensor& ids) {
-  check_fused_args(x_in, w_gate_up_in, w_down_in, weights, ids);
+  check_fused_moe_args(x_in, w_gate_up_in, w_down_in, weights, ids);
   TORCH_CHECK(dout_in.sizes() == x_in.sizes(), "dout must have shape [T,D] = ", x_in.sizes(), " like x, got ",
               dout_in.sizes());
   TORCH_CHECK(is_moe_float(dout_in.scalar_type()) && dout_in.device() == x_in.device(),
