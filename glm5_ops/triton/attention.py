@@ -79,6 +79,18 @@ import triton.language as tl
 from .. import reference
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc=None, IEEE: tl.constexpr = False):
+    """tl.dot, in true fp32 (input_precision="ieee") when IEEE, else the default
+    (tensor cores for fp16/bf16 operands)."""
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
 _MAX_GRID_YZ = 65535   # CUDA grid dims 1 and 2
 
 
@@ -187,16 +199,10 @@ def _sparse_fwd_kernel(
         t64 = tl.where(ok, t, 0).to(tl.int64)
         k_rows = k_base + t64 * sk_t            # gathered key rows [BLOCK_N]
         k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-        if IEEE:
-            qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-        else:
-            qk = tl.dot(q1, tl.trans(k1))
+        qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
         if DK2 > 0:
             k2 = tl.load(k_rows[:, None] + d2[None, :], mask=ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-            if IEEE:
-                qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
-            else:
-                qk = tl.dot(q2, tl.trans(k2), qk)
+            qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
         qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # no -inf - -inf on empty rows
@@ -277,16 +283,10 @@ def _sparse_bwd_kernel(
         t64 = tl.where(ok, t, 0).to(tl.int64)
         k_rows = k_base + t64 * sk_t
         k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-        if IEEE:
-            qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-        else:
-            qk = tl.dot(q1, tl.trans(k1))
+        qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
         if DK2 > 0:
             k2 = tl.load(k_rows[:, None] + d2[None, :], mask=ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-            if IEEE:
-                qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
-            else:
-                qk = tl.dot(q2, tl.trans(k2), qk)
+            qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
         p = tl.exp2(tl.where(ok[None, :], qk * qk_scale, float("-inf")) - lse2[:, None])   # [H, N] fp32
         if V_FROM_K:
             vt = k1
@@ -294,30 +294,18 @@ def _sparse_bwd_kernel(
             vt = tl.load((v_base + t64 * sv_t)[:, None] + dv[None, :],
                          mask=ok[:, None] & (dv < Dv)[None, :], other=0.0)
         dkv_ok = ok[:, None]
-        if IEEE:
-            dv_part = tl.dot(tl.trans(p), do, input_precision="ieee")
-            dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
-        else:
-            dv_part = tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(vt))
+        dv_part = tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
+        dp = _dot(do, tl.trans(vt), IEEE=IEEE)
         tl.atomic_add(dv_base + (t64 * Hkv * Dv)[:, None] + dv[None, :], dv_part,
                       mask=dkv_ok & (dv < Dv)[None, :], sem="relaxed")
         ds = p * (dp - delta[:, None])                  # dL/d(score), up to the scale
         dk_rows = dk_base + t64 * Hkv * Dk
-        if IEEE:
-            dq1 = tl.dot(ds, k1, dq1, input_precision="ieee")
-            dk1 = tl.dot(tl.trans(ds), q1, input_precision="ieee")
-        else:
-            dq1 = tl.dot(ds, k1.to(tl.float32), dq1, input_precision="ieee")
-            dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), input_precision="ieee")
+        dq1 = tl.dot(ds, k1.to(tl.float32), dq1, input_precision="ieee")
+        dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), input_precision="ieee")
         tl.atomic_add(dk_rows[:, None] + d1[None, :], dk1 * scale, mask=dkv_ok & (d1 < Dk)[None, :], sem="relaxed")
         if DK2 > 0:
-            if IEEE:
-                dq2 = tl.dot(ds, k2, dq2, input_precision="ieee")
-                dk2 = tl.dot(tl.trans(ds), q2, input_precision="ieee")
-            else:
-                dq2 = tl.dot(ds, k2.to(tl.float32), dq2, input_precision="ieee")
-                dk2 = tl.dot(tl.trans(ds), q2.to(tl.float32), input_precision="ieee")
+            dq2 = tl.dot(ds, k2.to(tl.float32), dq2, input_precision="ieee")
+            dk2 = tl.dot(tl.trans(ds), q2.to(tl.float32), input_precision="ieee")
             tl.atomic_add(dk_rows[:, None] + d2[None, :], dk2 * scale, mask=dkv_ok & (d2 < Dk)[None, :],
                           sem="relaxed")
 
@@ -442,16 +430,10 @@ def _block_fwd_kernel(
                 t_ok = (offs_n < BS) & (offs_t < T)
                 k_rows = k_base + offs_t * sk_t
                 k1 = tl.load(k_rows[:, None] + d1[None, :], mask=t_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-                if IEEE:
-                    qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-                else:
-                    qk = tl.dot(q1, tl.trans(k1))
+                qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
                 if DK2 > 0:
                     k2 = tl.load(k_rows[:, None] + d2[None, :], mask=t_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-                    if IEEE:
-                        qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
-                    else:
-                        qk = tl.dot(q2, tl.trans(k2), qk)
+                    qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
                 ok = t_ok[None, :]
                 if CAUSAL:
                     ok = ok & (offs_t[None, :] <= pos[:, None])
@@ -543,16 +525,10 @@ def _block_dq_kernel(
                 t_ok = (offs_n < BS) & (offs_t < T)
                 k_rows = k_base + offs_t * sk_t
                 k1 = tl.load(k_rows[:, None] + d1[None, :], mask=t_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-                if IEEE:
-                    qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-                else:
-                    qk = tl.dot(q1, tl.trans(k1))
+                qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
                 if DK2 > 0:
                     k2 = tl.load(k_rows[:, None] + d2[None, :], mask=t_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-                    if IEEE:
-                        qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
-                    else:
-                        qk = tl.dot(q2, tl.trans(k2), qk)
+                    qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
                 ok = t_ok[None, :]
                 if CAUSAL:
                     ok = ok & (offs_t[None, :] <= pos[:, None])
@@ -562,20 +538,11 @@ def _block_dq_kernel(
                 else:
                     vt = tl.load((v_base + offs_t * sv_t)[:, None] + dv[None, :],
                                  mask=t_ok[:, None] & (dv < Dv)[None, :], other=0.0)
-                if IEEE:
-                    dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
-                else:
-                    dp = tl.dot(do, tl.trans(vt))
+                dp = _dot(do, tl.trans(vt), IEEE=IEEE)
                 ds = p * (dp - delta[:, None])
-                if IEEE:
-                    dq1 = tl.dot(ds, k1, dq1, input_precision="ieee")
-                else:
-                    dq1 = tl.dot(ds, k1.to(tl.float32), dq1, input_precision="ieee")
+                dq1 = tl.dot(ds, k1.to(tl.float32), dq1, input_precision="ieee")
                 if DK2 > 0:
-                    if IEEE:
-                        dq2 = tl.dot(ds, k2, dq2, input_precision="ieee")
-                    else:
-                        dq2 = tl.dot(ds, k2.to(tl.float32), dq2, input_precision="ieee")
+                    dq2 = tl.dot(ds, k2.to(tl.float32), dq2, input_precision="ieee")
     tl.store(dq_ptr + q_rows[:, None] + d1[None, :], (dq1 * scale).to(dq_ptr.dtype.element_ty), mask=m1)
     if DK2 > 0:
         tl.store(dq_ptr + q_rows[:, None] + d2[None, :], (dq2 * scale).to(dq_ptr.dtype.element_ty), mask=m2)
@@ -643,17 +610,11 @@ def _block_dkdv_kernel(
                 q_rows = stat * Dk
                 q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=s_ok[:, None] & (d1 < Dk)[None, :],
                              other=0.0)
-                if IEEE:
-                    qk = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-                else:
-                    qk = tl.dot(q1, tl.trans(k1))
+                qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
                 if DK2 > 0:
                     q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=s_ok[:, None] & (d2 < Dk)[None, :],
                                  other=0.0)
-                    if IEEE:
-                        qk = tl.dot(q2, tl.trans(k2), qk, input_precision="ieee")
-                    else:
-                        qk = tl.dot(q2, tl.trans(k2), qk)
+                    qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
                 ok = t_ok[None, :] & s_ok[:, None]
                 if CAUSAL:
                     ok = ok & (offs_t[None, :] <= (start + offs_s)[:, None])
@@ -663,17 +624,10 @@ def _block_dkdv_kernel(
                 p = tl.exp2(tl.where(ok, qk * qk_scale, float("-inf")) - lse2[:, None])   # [M, N]
                 do = tl.load(do_ptr + (stat * Dv)[:, None] + dv[None, :], mask=s_ok[:, None] & (dv < Dv)[None, :],
                              other=0.0)
-                if IEEE:
-                    dv_acc = tl.dot(tl.trans(p), do, dv_acc, input_precision="ieee")
-                    dp = tl.dot(do, tl.trans(vt), input_precision="ieee")
-                else:
-                    dv_acc = tl.dot(tl.trans(p), do.to(tl.float32), dv_acc, input_precision="ieee")
-                    dp = tl.dot(do, tl.trans(vt))
+                dv_acc = tl.dot(tl.trans(p), do.to(tl.float32), dv_acc, input_precision="ieee")
+                dp = _dot(do, tl.trans(vt), IEEE=IEEE)
                 ds = p * (dp - delta[:, None])
-                if IEEE:
-                    dk1 = tl.dot(tl.trans(ds), q1, dk1, input_precision="ieee")
-                else:
-                    dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), dk1, input_precision="ieee")
+                dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), dk1, input_precision="ieee")
                 if DK2 > 0:
                     if IEEE:
                         dk2 = tl.dot(tl.trans(ds), q2, dk2, input_precision="ieee")
