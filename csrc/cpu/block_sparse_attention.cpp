@@ -136,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd_cpu(
       for (int64_t j = 0; j < nt; ++j) sc.krows[j] = in.krow(b, t0 + j, g), sc.vrows[j] = in.vrow(b, t0 + j, g);
       tiles::dots_t(sc.qt.data(), Mp, Mp, sc.krows.data(), nt, Dk, sc.s.data(), Mp);
       if (diagonal) mask_future(sc.s.data(), Mp, nt, t0, first, M);
-      tiles::online_softmax_cols(sc.s.data(), Mp, nt, Mp, sc.m.data(), sc.l.data(), sc.alpha.data());
+      tiles::online_softmax_cols(sc.s.data(), Mp, nt, Mp, sc.m.data(), sc.l.data(), sc.alpha.data(), diagonal);
       for (int64_t r = 0; r < M; ++r)
         if (sc.alpha[r] != 1.f)
           for (int64_t d = 0; d < Dv; ++d) sc.o[r * Dv + d] *= sc.alpha[r];

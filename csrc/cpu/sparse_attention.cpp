@@ -101,7 +101,8 @@ void set_rows(const AttentionInputs& in, int64_t b, int64_t g, const Scratch& sc
 void softmax_tile(Scratch& sc, int64_t nt, int64_t Dv) {
   const Layout& L = sc.lay;
   if (L.by_key) {
-    tiles::online_softmax_cols(sc.s.data(), L.Gp, nt, L.Gp, sc.m.data(), sc.l.data(), sc.alpha.data());
+    // Token-level tiles hold visible keys only: no -inf scores.
+    tiles::online_softmax_cols(sc.s.data(), L.Gp, nt, L.Gp, sc.m.data(), sc.l.data(), sc.alpha.data(), false);
     for (int64_t h = 0; h < L.G; ++h)
       if (sc.alpha[h] != 1.f)
         for (int64_t d = 0; d < Dv; ++d) sc.o[h * Dv + d] *= sc.alpha[h];
