@@ -13,7 +13,13 @@ Presets:
 
 Every run gets MALLOC_MMAP_THRESHOLD_ (default 128 KiB) so freed tensors go back
 to the OS and peak RSS follows live memory rather than glibc's heap high-water
-mark (--malloc-default to leave glibc's dynamic threshold on).
+mark (--malloc-default to leave glibc's dynamic threshold on), and
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc >= 2.35; --no-thp to leave it off):
+those mmapped buffers are then backed by transparent huge pages where the kernel
+allows them (transparent_hugepage "madvise" or "always"). Without it every fresh
+activation buffer is faulted in 4 KiB at a time, and a policy that allocates
+more buffers (packed copies, dequantised outputs) pays for that in step time,
+not for its compute: on this machine 1.43x the baseline's step against 1.00x.
 """
 from __future__ import annotations
 
@@ -71,6 +77,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--mmap-threshold", type=int, default=131072)
     p.add_argument("--malloc-default", action="store_true")
+    p.add_argument("--no-thp", action="store_true", help="don't ask glibc for huge pages (GLIBC_TUNABLES)")
     p.add_argument("--out", default=None, help="write the markdown table (and a .json beside it) here")
     p.add_argument("extra", nargs="*", help="extra arguments for training.train (after --)")
     a = p.parse_args(argv)
@@ -80,6 +87,8 @@ def main(argv=None):
     env = dict(os.environ)
     if not a.malloc_default:
         env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
+    if not a.no_thp:
+        env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=1"]))
     results: dict[str, list[dict]] = {pol: [] for pol in policies}
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,6 +98,7 @@ def main(argv=None):
     md = table(results)
     head = (f"preset {a.preset}: `{' '.join(preset['args'] + a.extra)}`, {repeats} interleaved run(s) per policy, "
             f"MALLOC_MMAP_THRESHOLD_={'default' if a.malloc_default else a.mmap_threshold}, "
+            f"huge pages {'off' if a.no_thp else 'on (glibc.malloc.hugetlb=1)'}, "
             f"{time.time() - t0:.0f} s")
     print(head + "\n\n" + md)
     if a.out:
