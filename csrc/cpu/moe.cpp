@@ -194,17 +194,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& ids,
                                                                         int64_t num_experts, int64_t align) {
-  TORCH_CHECK(x.dim() == 2, "x must have shape [T,D], got a tensor of rank ", x.dim());
-  TORCH_CHECK(is_moe_float(x.scalar_type()), "x must be fp32, fp16, bf16 or float64, got ", x.scalar_type());
+  check_dispatch_args(x, ids, num_experts, align);
   const int64_t T = x.size(0), D = x.size(1);
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "ids must have shape [T=", T, ",k], got ", ids.sizes());
-  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "ids must be int32 (or int64), got ",
-              ids.scalar_type());
-  TORCH_CHECK(ids.device() == x.device(), "x and ids must be on one device, got x on ", x.device(), ", ids on ",
-              ids.device());
-  TORCH_CHECK(num_experts >= 1 && num_experts < (int64_t(1) << 31), "num_experts must be in [1, 2^31), got ",
-              num_experts);
-  TORCH_CHECK(align >= 1, "align must be >= 1, got ", align);
   const int64_t k = ids.size(1), P = T * k, E = num_experts;
   const at::Tensor id32 = ids.to(at::kInt).contiguous();
   const int32_t* idp = id32.const_data_ptr<int32_t>();
@@ -299,18 +290,7 @@ inline void axpy(acc_t* __restrict acc, const acc_t* __restrict y, acc_t w, int6
 }  // namespace
 
 at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& token_slot, const at::Tensor& weights) {
-  TORCH_CHECK(y_sorted.dim() == 2, "y_sorted must have shape [N,D], got a tensor of rank ", y_sorted.dim());
-  TORCH_CHECK(is_moe_float(y_sorted.scalar_type()), "y_sorted must be fp32, fp16, bf16 or float64, got ",
-              y_sorted.scalar_type());
-  TORCH_CHECK(token_slot.dim() == 2, "token_slot must have shape [T,k], got a tensor of rank ", token_slot.dim());
-  TORCH_CHECK(token_slot.scalar_type() == at::kInt || token_slot.scalar_type() == at::kLong,
-              "token_slot must be int32 (or int64), got ", token_slot.scalar_type());
-  TORCH_CHECK(weights.sizes() == token_slot.sizes(), "weights must have shape [T,k] = ", token_slot.sizes(),
-              " like token_slot, got ", weights.sizes());
-  TORCH_CHECK(is_moe_float(weights.scalar_type()), "weights must be fp32, fp16, bf16 or float64, got ",
-              weights.scalar_type());
-  TORCH_CHECK(token_slot.device() == y_sorted.device() && weights.device() == y_sorted.device(),
-              "y_sorted, token_slot and weights must be on one device");
+  check_combine_args(y_sorted, token_slot, weights);
   const int64_t N = y_sorted.size(0), D = y_sorted.size(1), T = token_slot.size(0), k = token_slot.size(1);
   const at::Tensor ts = token_slot.to(at::kInt).contiguous();
   const int32_t* tsp = ts.const_data_ptr<int32_t>();

@@ -68,16 +68,8 @@ constexpr int kWarpsPerBlock = 8;
 
 int blocks_for(int64_t n, int per_block) { return static_cast<int>((n + per_block - 1) / per_block); }
 
-// ---------------------------------------------------------------- checks --
-
-void check_ids(const at::Tensor& ids, int64_t T, const at::Device& dev) {
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T, "ids must have shape [T=", T, ",k], got ", ids.sizes());
-  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, "ids must be int32 (or int64), got ",
-              ids.scalar_type());
-  TORCH_CHECK(ids.device() == dev, "ids must be on ", dev, " like x, got ", ids.device());
-}
-
 // ------------------------------------------------------------ small math --
+// (argument checks: csrc/checks.h, shared with the CPU kernels)
 
 template <typename T> struct Acc { using type = float; };
 template <> struct Acc<double> { using type = double; };
@@ -378,12 +370,7 @@ Plan make_plan(const at::Tensor& ids_in, int64_t E, int64_t align) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& ids,
                                                                         int64_t num_experts, int64_t align) {
-  TORCH_CHECK(x.dim() == 2, "x must have shape [T,D], got a tensor of rank ", x.dim());
-  TORCH_CHECK(is_moe_float(x.scalar_type()), "x must be fp32, fp16, bf16 or float64, got ", x.scalar_type());
-  check_ids(ids, x.size(0), x.device());
-  TORCH_CHECK(num_experts >= 1 && num_experts < (int64_t(1) << 31), "num_experts must be in [1, 2^31), got ",
-              num_experts);
-  TORCH_CHECK(align >= 1, "align must be >= 1, got ", align);
+  check_dispatch_args(x, ids, num_experts, align);
   const c10::cuda::CUDAGuard guard(x.device());
   Plan plan = make_plan(ids, num_experts, align);
   at::Tensor x_sorted = gather_rows(x.contiguous(), plan.slot_token, plan.N);
@@ -436,18 +423,7 @@ at::Tensor combine(const at::Tensor& y, const at::Tensor& token_slot, const c10:
 }
 
 at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& token_slot, const at::Tensor& weights) {
-  TORCH_CHECK(y_sorted.dim() == 2, "y_sorted must have shape [N,D], got a tensor of rank ", y_sorted.dim());
-  TORCH_CHECK(is_moe_float(y_sorted.scalar_type()), "y_sorted must be fp32, fp16, bf16 or float64, got ",
-              y_sorted.scalar_type());
-  TORCH_CHECK(token_slot.dim() == 2, "token_slot must have shape [T,k], got a tensor of rank ", token_slot.dim());
-  TORCH_CHECK(token_slot.scalar_type() == at::kInt || token_slot.scalar_type() == at::kLong,
-              "token_slot must be int32 (or int64), got ", token_slot.scalar_type());
-  TORCH_CHECK(weights.sizes() == token_slot.sizes(), "weights must have shape [T,k] = ", token_slot.sizes(),
-              " like token_slot, got ", weights.sizes());
-  TORCH_CHECK(is_moe_float(weights.scalar_type()), "weights must be fp32, fp16, bf16 or float64, got ",
-              weights.scalar_type());
-  TORCH_CHECK(token_slot.device() == y_sorted.device() && weights.device() == y_sorted.device(),
-              "y_sorted, token_slot and weights must be on one device");
+  check_combine_args(y_sorted, token_slot, weights);
   const c10::cuda::CUDAGuard guard(y_sorted.device());
   const int64_t N = y_sorted.size(0);
   const at::Tensor ts = token_slot.to(at::kInt).contiguous();
