@@ -327,9 +327,12 @@ inline void scatter(const float* Wt, int64_t wi, int64_t wj, int64_t M, const fl
 // rows of the next tile are scattered through k and v, where the hardware
 // prefetcher cannot guess them, and fetching them costs about as long as the
 // products over the current tile.
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d, 0, 2);  // one per cache line
+}
+
 inline void prefetch_rows(const float* const* rows, int64_t n, int64_t D) {
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(rows[j] + d, 0, 2);
+  for (int64_t j = 0; j < n; ++j) prefetch_row(rows[j], D);
 }
 
 // exp(x) for a vector, exact 0 for x = -inf (masked slots). exp_u20 is

@@ -72,8 +72,8 @@ void prefetch_block(const BlockProblem& P, int64_t b, int64_t g, int64_t j) {
   const AttentionInputs& in = P.in;
   const int64_t t0 = j * P.bs, t1 = std::min(in.T, t0 + P.bs);
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t d = 0; d < in.Dk; d += 16) __builtin_prefetch(in.krow(b, t, g) + d, 0, 2);
-    for (int64_t d = 0; d < in.Dv; d += 16) __builtin_prefetch(in.vrow(b, t, g) + d, 0, 2);
+    tiles::prefetch_row(in.krow(b, t, g), in.Dk);
+    tiles::prefetch_row(in.vrow(b, t, g), in.Dv);
   }
 }
 
@@ -83,8 +83,7 @@ void prefetch_queries(const BlockProblem& P, int64_t item) {
   const AttentionInputs& in = P.in;
   if (item >= in.B * in.Hq * P.Qb) return;
   const int64_t i = item % P.Qb, h = (item / P.Qb) % in.Hq, b = item / (P.Qb * in.Hq);
-  for (int64_t s = i * P.bs; s < std::min(in.S, (i + 1) * P.bs); ++s)
-    for (int64_t d = 0; d < in.Dk; d += 16) __builtin_prefetch(in.qrow(b, s, h) + d, 0, 2);
+  for (int64_t s = i * P.bs; s < std::min(in.S, (i + 1) * P.bs); ++s) tiles::prefetch_row(in.qrow(b, s, h), in.Dk);
 }
 
 // Calls tile(t0, nt) for each key sub-tile of item (b, h, i) that some of

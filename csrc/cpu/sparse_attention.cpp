@@ -81,9 +81,8 @@ struct Scratch {
 };
 
 // Points krows/vrows at the tile's keys [t0, t0 + nt) and prefetches the next tile's rows.
-void set_rows(const AttentionInputs& in, int64_t b, int64_t g, const Scratch& sc_keys, int64_t t0, int64_t nt,
-              int64_t n, Scratch& sc) {
-  const int32_t* keys = sc_keys.keys.data();
+void set_rows(const AttentionInputs& in, int64_t b, int64_t g, int64_t t0, int64_t nt, int64_t n, Scratch& sc) {
+  const int32_t* keys = sc.keys.data();
   for (int64_t j = 0; j < nt; ++j) {
     sc.krows[j] = in.krow(b, keys[t0 + j], g);
     sc.vrows[j] = in.vrow(b, keys[t0 + j], g);
@@ -165,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += kTile) {
         const int64_t nt = std::min(kTile, n - t0);
-        set_rows(in, b, g, sc, t0, nt, n, sc);
+        set_rows(in, b, g, t0, nt, n, sc);
         sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
         softmax_tile(sc, nt, Dv);
         tiles::gather(sc.s.data(), L.wi(), L.wj(), G, sc.vrows.data(), nt, Dv, sc.o.data(), Dv);
@@ -224,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
       }
       for (int64_t t0 = 0; t0 < n; t0 += kTile) {
         const int64_t nt = std::min(kTile, n - t0);
-        set_rows(in, b, g, sc, t0, nt, n, sc);
+        set_rows(in, b, g, t0, nt, n, sc);
         for (int64_t j = 0; j < nt; ++j) {
           const int64_t r = (b * in.T + sc.keys[t0 + j]) * in.Hkv + g;
           sc.dkrows[j] = sc.dk + r * Dk;
