@@ -1,0 +1,4 @@
+"""GLM-5 composed from the lab's kernels: config + presets, the network, its cache, checkpoint loading."""
+from .config import GLM5Config, PRESETS, preset
+
+__all__ = ["GLM5Config", "PRESETS", "preset"]
