@@ -135,6 +135,8 @@ def load_pretrained(cls, path: str, *, dtype=None, device="cpu", verbose: bool =
     keep_fp32 = ("gate.weight", "e_score_correction_bias")
     state = {name: t.to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else dtype)
              for name, t in tensors.items()}
+    if config.tie_word_embeddings:     # one tensor under both names
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
