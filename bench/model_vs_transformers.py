@@ -90,8 +90,8 @@ def run_child(*args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--prefill", type=int, default=8192)
-    ap.add_argument("--decode-context", type=int, default=8192)
+    ap.add_argument("--prefill", type=int, default=8192, help="0: skip")
+    ap.add_argument("--decode-context", type=int, default=8192, help="0: skip")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--big-prefill", type=int, default=32768, help="ours only (0: skip)")
     ap.add_argument("--chunk", type=int, default=2048, help="our prefill chunk")
@@ -107,10 +107,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as ckpt:
         print(f"[bench] writing a random {args.preset} checkpoint", flush=True)
         write_checkpoint(args.preset, ckpt)
-        plan = [("ours", "prefill", args.prefill, 0), ("ours", "decode", args.decode_context, args.decode_steps)]
-        if not args.skip_transformers:
-            plan += [("transformers", "prefill", args.prefill, 0),
-                     ("transformers", "decode", args.decode_context, args.decode_steps)]
+        impls = ["ours"] + ([] if args.skip_transformers else ["transformers"])
+        plan = [(impl, "prefill", args.prefill, 0) for impl in impls if args.prefill]
+        plan += [(impl, "decode", args.decode_context, args.decode_steps) for impl in impls
+                 if args.decode_context and args.decode_steps]
         if args.big_prefill:
             plan.append(("ours", "prefill", args.big_prefill, 0))
         for impl, task, n, steps in plan:
