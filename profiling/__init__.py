@@ -1,0 +1,1 @@
+"""NVTX ranges, torch.profiler traces, reports and the glm5-lab command line."""
