@@ -1,0 +1,118 @@
+"""The paged cache GLM-5 decodes from: MLA's compressed latent and the DSA indexer key, per token.
+
+Per layer one pool of `pages x page_size` token slots holds
+  latent   [slots, kv_lora_rank + qk_rope_head_dim]  (normed latent, then the roped key)
+  index_k  [slots, index_head_dim]                   (layers that run an indexer)
+and one block table [B, pages_per_seq] maps a sequence's logical page to a
+physical page; pages are taken from a free list as sequences grow, so a
+sequence's pages need not be contiguous (they interleave across the batch).
+Prefill, chunked prefill and decode all write and read this one layout:
+  - the indexer scores a query against the sequence's keys in logical order
+    (a gather of index_k: index_head_dim values per token);
+  - sparse attention reads the latent pool in place: the chosen logical
+    positions are translated to physical slot ids (FlashMLA's paged sparse
+    decode does the same), so no per-step copy of the latent is made.
+The MTP layers have their own stream: their positions lag the main model's
+by the one token they predict ahead, so they keep their own length.
+"""
+from __future__ import annotations
+
+import torch
+
+import glm5_ops
+
+from .config import GLM5Config
+
+
+class PagedCache:
+    def __init__(self, config: GLM5Config, batch: int, max_tokens: int, *, page_size: int = 64,
+                 dtype=torch.float32, device="cpu"):
+        if batch < 1 or max_tokens < 1 or page_size < 1:
+            raise ValueError(f"batch, max_tokens and page_size must be >= 1, got {batch}, {max_tokens}, {page_size}")
+        c = config
+        self.config, self.batch, self.page_size, self.max_tokens = c, batch, page_size, max_tokens
+        self.num_main_layers = c.num_hidden_layers
+        layers = c.num_hidden_layers + c.num_nextn_predict_layers
+        self.pages_per_seq = -(-max_tokens // page_size)
+        slots = batch * self.pages_per_seq * page_size
+        self.latent = torch.empty(layers, slots, c.latent_dim, dtype=dtype, device=device)
+        indexed = [i for i in range(layers) if i >= c.num_hidden_layers or c.indexer_types[i] == "full"]
+        self.index_k = {i: torch.empty(slots, c.index_head_dim, dtype=dtype, device=device) for i in indexed}
+        self.block_table = torch.full((batch, self.pages_per_seq), -1, dtype=torch.int64, device=device)
+        self.free_pages = list(range(batch * self.pages_per_seq))
+        self.length = 0          # tokens of the main stream held
+        self.mtp_length = 0      # tokens of the MTP stream held
+        self._step = None        # (start, S) of the forward in progress, per stream
+
+    # -- bookkeeping -----------------------------------------------------------
+    def begin(self, B: int, S: int, *, mtp: bool = False) -> None:
+        if B != self.batch:
+            raise ValueError(f"this cache holds batch {self.batch}, got input of batch {B}")
+        start = self.mtp_length if mtp else self.length
+        if start + S > self.max_tokens:
+            raise ValueError(f"cache full: {start} + {S} tokens exceed max_tokens={self.max_tokens}")
+        self._allocate(start + S)
+        self._step = (start, S)
+
+    def commit(self, S: int, *, mtp: bool = False) -> None:
+        if mtp:
+            self.mtp_length += S
+        else:
+            self.length += S
+        self._step = None
+
+    def truncate(self, length: int, *, mtp_length: int | None = None) -> None:
+        """Forget tokens past `length` (speculative decoding's rejected drafts)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate length must be in [0, {self.length}], got {length}")
+        self.length = length
+        if mtp_length is not None:
+            self.mtp_length = min(mtp_length, self.mtp_length)
+
+    def _allocate(self, tokens: int) -> None:
+        need = -(-tokens // self.page_size)
+        for p in range(need):             # page p of every sequence, then page p+1: they interleave
+            for b in range(self.batch):
+                if self.block_table[b, p] < 0:
+                    self.block_table[b, p] = self.free_pages.pop(0)
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Physical slot ids of logical positions [B, ...] (-1 stays -1)."""
+        valid = positions >= 0
+        pos = positions.clamp(min=0).long()
+        B = positions.shape[0]
+        pages = self.block_table.gather(1, (pos // self.page_size).reshape(B, -1)).reshape(pos.shape)
+        return torch.where(valid, pages * self.page_size + pos % self.page_size, -1)
+
+    def _positions(self, start: int, S: int) -> torch.Tensor:
+        return (start + torch.arange(S, device=self.block_table.device))[None].expand(self.batch, S)
+
+    # -- per-layer reads and writes --------------------------------------------
+    def write(self, layer: int, kv, index_key, *, gather_keys: bool):
+        """Stores this step's tokens of `layer`; returns (latent keys [B,T,C+r]
+        in logical order if gather_keys else None, indexer keys [B,T,Di] or None)."""
+        start, S = self._step
+        new = self.slots(self._positions(start, S)).reshape(-1)
+        self.latent[layer].index_copy_(0, new, kv.reshape(-1, kv.shape[-1]).to(self.latent.dtype))
+        if index_key is not None:
+            self.index_k[layer].index_copy_(0, new, index_key.reshape(-1, index_key.shape[-1]).to(self.latent.dtype))
+        every = self.slots(self._positions(0, start + S))
+        keys = self.latent[layer][every] if gather_keys else None
+        index_keys = self.index_k[layer][every] if index_key is not None else None
+        return keys, index_keys
+
+    def sparse_attention(self, layer: int, q, selection, scale: float):
+        """glm5_ops.sparse_attention of q [B,S,H,C+r] over the chosen logical
+        positions selection [B,S,topk], read in place from the latent pool."""
+        B, S, H, D = q.shape
+        C = self.config.kv_lora_rank
+        physical = self.slots(selection.long()).to(torch.int32)
+        pool = self.latent[layer][None, :, None, :]            # [1, slots, 1, C+r]
+        out, _ = glm5_ops.sparse_attention(q.reshape(1, B * S, H, D), pool, pool[..., :C],
+                                           physical.reshape(1, B * S, -1), scale=scale, causal=False)
+        return out.view(B, S, H, C)
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token occupies across all layers (latent + indexer keys)."""
+        per = self.latent.shape[0] * self.latent.shape[2] + len(self.index_k) * self.config.index_head_dim
+        return per * self.latent.element_size()

@@ -1,0 +1,130 @@
+"""Text generation through the paged cache: greedy or sampled, and
+speculative decoding with the MTP head as the drafter.
+
+Both prefill the prompt in chunks (memory O(chunk)), then decode one forward
+per step. Speculative decoding drafts one token with MTP and verifies it with
+a two-token forward of the main model: accepted, the step yields two tokens;
+rejected, the main model's own token is kept and the draft's cache entry is
+dropped. The output is the main model's greedy output whatever the drafter
+proposes; a better drafter only raises the acceptance length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _check_prompt(model, input_ids, max_new_tokens: int):
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    model._check_ids(input_ids, 0)
+    total = input_ids.shape[1] + max_new_tokens
+    if total > model.config.max_position_embeddings:
+        raise ValueError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_position_embeddings={model.config.max_position_embeddings}")
+
+
+def sample_next(logits, *, do_sample: bool, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                generator=None):
+    """Next token ids [B] from logits [B, V]: argmax, or a sample from the
+    temperature-scaled distribution cut to its top_k / top_p nucleus."""
+    if not do_sample:
+        return logits.argmax(-1)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p          # keep the smallest prefix reaching top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@torch.no_grad()
+def generate(model, input_ids, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, eos_token_id=None, generator=None,
+             prefill_chunk: int = 2048, page_size: int = 64):
+    """input_ids [B, n] -> [B, n + max_new_tokens]. Sequences that emit
+    eos_token_id keep emitting it (the batch runs until all are done or the
+    budget is spent; the result is padded with eos)."""
+    _check_prompt(model, input_ids, max_new_tokens)
+    B, n = input_ids.shape
+    cache = model.new_cache(B, n + max_new_tokens, page_size=page_size)
+    logits, _ = model.prefill(input_ids, cache, chunk=prefill_chunk)
+    out = [input_ids]
+    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    for step in range(max_new_tokens):
+        nxt = sample_next(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                          generator=generator)
+        if eos_token_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+            done |= nxt == eos_token_id
+        out.append(nxt[:, None])
+        if step + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+            break
+        logits = model(nxt[:, None], cache)[:, -1]
+    result = torch.cat(out, dim=1)
+    if result.shape[1] < n + max_new_tokens:        # every sequence finished early: pad with eos
+        pad = torch.full((B, n + max_new_tokens - result.shape[1]), eos_token_id, dtype=result.dtype)
+        result = torch.cat([result, pad], dim=1)
+    return result
+
+
+@dataclass
+class SpeculativeStats:
+    main_forwards: int          # verification forwards of the main model (after prefill)
+    drafts_accepted: int
+    drafts_proposed: int
+    new_tokens: int
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens produced per main-model forward (1.0 = no gain, 2.0 = every draft kept)."""
+        return self.new_tokens / max(self.main_forwards, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.drafts_accepted / max(self.drafts_proposed, 1)
+
+
+@torch.no_grad()
+def speculative_generate(model, input_ids, max_new_tokens: int, *, prefill_chunk: int = 2048,
+                         page_size: int = 64):
+    """Greedy decoding with MTP drafting one token per step.
+    Returns (tokens [B, n + max_new_tokens], SpeculativeStats). With B > 1 a
+    draft is kept only when every sequence accepts it (the batch stays in step)."""
+    _check_prompt(model, input_ids, max_new_tokens)
+    B, n = input_ids.shape
+    cache = model.new_cache(B, n + max_new_tokens + 2, page_size=page_size)
+    logits, hidden = model.prefill(input_ids, cache, chunk=prefill_chunk)
+    last = logits.argmax(-1)                                    # token n
+    new = [last]
+    # The MTP stream: position t reads (hidden[t], token t+1) and predicts token t+2.
+    next_ids = torch.cat([input_ids[:, 1:], last[:, None]], dim=1)
+    for s in range(0, n, prefill_chunk):
+        draft_logits = model.mtp_logits(hidden[:, s:s + prefill_chunk], next_ids[:, s:s + prefill_chunk], cache)
+    draft = draft_logits[:, -1].argmax(-1)
+    stats = SpeculativeStats(0, 0, 0, 0)
+    while len(new) < max_new_tokens:
+        h = model.hidden_states(torch.stack([last, draft], dim=1), cache)    # verify: tokens (last, draft)
+        verified = model.logits(h).argmax(-1)                               # [B, 2]
+        stats.main_forwards += 1
+        stats.drafts_proposed += 1
+        if bool((verified[:, 0] == draft).all()):
+            stats.drafts_accepted += 1
+            step_tokens, step_hidden = [draft, verified[:, 1]], h
+        else:
+            cache.truncate(cache.length - 1)                                 # drop the draft's entry
+            step_tokens, step_hidden = [verified[:, 0]], h[:, :1]
+        new.extend(step_tokens)
+        last = step_tokens[-1]
+        draft_logits = model.mtp_logits(step_hidden, torch.stack(step_tokens, dim=1), cache)
+        draft = draft_logits[:, -1].argmax(-1)
+    new = torch.stack(new[:max_new_tokens], dim=1)
+    stats.new_tokens = new.shape[1] - 1           # the first token came from the prefill
+    return torch.cat([input_ids, new], dim=1), stats
