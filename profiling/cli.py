@@ -12,6 +12,7 @@ import argparse
 import shlex
 
 from . import bench_cmd, profile_cmd
+from .args import UsageError
 from . import inspect as inspect_cmd
 
 
@@ -35,6 +36,6 @@ def main(argv=None) -> int:
     run = {"profile": profile_cmd.run, "bench": bench_cmd.run, "inspect": inspect_cmd.run}[args.command_name]
     try:
         return run(args)
-    except profile_cmd.UsageError as e:
+    except UsageError as e:
         # found after parsing (needs the model's config): same contract as argparse
         getattr(args, "parser", parser).error(str(e))
