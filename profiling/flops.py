@@ -50,7 +50,12 @@ def _sdpa_fwd(a) -> int:
     q, k, v = a["query"], a["key"], a["value"]          # [B,H,S,D], [B,Hk,T,D], [B,Hk,T,Dv]
     B, H, S, D = q.shape
     T, Dv = k.shape[-2], v.shape[-1]
-    pairs = B * H * (causal_pairs(S, T) if a.get("is_causal") else S * T)
+    mask = a.get("attn_mask")
+    if isinstance(mask, torch.Tensor):  # the pairs the mask lets through (bool, or additive -inf)
+        keep = mask if mask.dtype == torch.bool else mask > float("-inf")
+        pairs = int(keep.expand(B, H, S, T).sum())
+    else:
+        pairs = B * H * (causal_pairs(S, T) if a.get("is_causal") else S * T)
     return 2 * pairs * (D + Dv)
 
 
@@ -106,6 +111,7 @@ GLM5_FLOPS = {
     "glm5::moe_combine": lambda a: 2 * a["weights"].numel() * a["y_sorted"].shape[-1],
     "glm5::fused_moe_fwd": _fused_moe,
     "glm5::fused_moe_bwd": lambda a: _fused_moe(a, backward=True),
+    "aten::scaled_dot_product_attention": _sdpa_fwd,
     "aten::_scaled_dot_product_flash_attention_for_cpu": _sdpa_fwd,
     "aten::_scaled_dot_product_flash_attention": _sdpa_fwd,
     "aten::_scaled_dot_product_efficient_attention": _sdpa_fwd,
@@ -163,6 +169,13 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func._schema.name not in GLM5_FLOPS and func._overloadpacket not in flop_registry:
+            # Composite ops (linear, einsum, matmul) reach this mode whole under
+            # inference_mode: count them as the ops they decompose into.
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         out = func(*args, **kwargs)
         if func.namespace == "profiler" or func.is_view:
             return out

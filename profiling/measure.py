@@ -4,12 +4,13 @@ its public interface (the model contract in profile_cmd.py)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import time
 
 import torch
 import torch.nn.functional as F
 
-from glm5_ops.memory import peak_rss_bytes, reset_peak_rss
+from glm5_ops.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 MODES = ("prefill", "decode", "train")
 
@@ -74,11 +75,25 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reset_peak_memory(device) -> None:
+def _trim_heap() -> None:
+    """Hands the heap's free memory back to the OS (glibc malloc_trim): else what
+    the warm-up freed stays resident and hides the measured steps' own peak."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the peak then includes retained memory
+        pass
+
+
+def reset_peak_memory(device) -> int:
+    """Starts a new peak; returns the memory held now (the peak's baseline)."""
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    else:
-        reset_peak_rss()
+        return torch.cuda.memory_allocated(device)
+    _trim_heap()
+    if not reset_peak_rss():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs not writable): "
+                           "per-step peaks would be the whole process's")
+    return current_rss_bytes()
 
 
 def peak_memory(device) -> tuple[int, str]:
@@ -102,7 +117,8 @@ def timed_steps(runner: Runner, steps: int, on_step=None) -> list[float]:
 
 
 def sweep(build_model, attn_modes, lengths, *, mode, batch, vocab, device, warmup, steps, log, seed=0) -> dict:
-    """Mean step time and peak memory per (attention mode, sequence length),
+    """Mean step time and peak memory (above what was held before the timed
+    steps: weights, the decode context) per (attention mode, sequence length),
     ranges off (the plain network). One model per attention mode, reused
     across lengths. -> {attn: [{"seq", "ms", "peak_bytes"}, ...]}"""
     results = {}
@@ -113,12 +129,12 @@ def sweep(build_model, attn_modes, lengths, *, mode, batch, vocab, device, warmu
             runner = Runner(model, mode, batch=batch, seq=seq, vocab=vocab, device=device,
                             total_steps=warmup + steps, seed=seed)
             timed_steps(runner, warmup)
-            reset_peak_memory(device)
+            base = reset_peak_memory(device)
             times = timed_steps(runner, steps)
-            peak, _ = peak_memory(device)
+            peak = peak_memory(device)[0] - base
             ms = 1e3 * sum(times) / len(times)
             results[attn].append(dict(seq=seq, ms=ms, peak_bytes=peak))
-            log(f"sweep {attn:>12} seq {seq:>6}: {ms:9.2f} ms/step, peak {peak / 2**20:8.1f} MiB")
+            log(f"sweep {attn:>12} seq {seq:>6}: {ms:9.2f} ms/step, peak {peak / 2**20:8.1f} MiB above the resting process")
             del runner
         del model
     return results

@@ -6,24 +6,24 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on a CI or GPU box
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .components import NAMES  # noqa: E402
 
 
-def component_bars(bd, path: str, title: str) -> None:
-    """Horizontal bars: ms per step for each component (forward and backward stacked)."""
-    fwd = [bd.forward_us.get(n, 0.0) / 1e3 for n in NAMES]
-    bwd = [bd.backward_us.get(n, 0.0) / 1e3 for n in NAMES]
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(NAMES) + 1.2))
-    y = range(len(NAMES))
+def component_bars(rows, clock: str, path: str, title: str) -> None:
+    """Horizontal bars: ms per step for each report row (forward and backward stacked)."""
+    names = [r["component"] for r in rows]
+    bwd = [r["backward_ms"] for r in rows]
+    fwd = [r["ms"] - b for r, b in zip(rows, bwd)]
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.2))
+    y = range(len(rows))
     ax.barh(y, fwd, color="tab:blue", label="forward")
     if any(bwd):
         ax.barh(y, bwd, left=fwd, color="tab:orange", label="backward")
         ax.legend(loc="lower right")
-    for i, n in enumerate(NAMES):
-        ax.text(fwd[i] + bwd[i], i, f" {bd.share(n):.1%}", va="center", fontsize=8)
-    ax.set_yticks(list(y), NAMES)
+    for i, r in enumerate(rows):
+        ax.text(r["ms"], i, f" {r['share']:.1%}", va="center", fontsize=8)
+    ax.set_yticks(list(y), names)
     ax.invert_yaxis()
-    ax.set_xlabel(f"ms per step ({bd.clock})")
+    ax.set_xlabel(f"ms per step ({clock})")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -16,7 +16,6 @@ captures exactly them; the command is printed and written to the report.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -28,41 +27,14 @@ import torch
 from glm5_ops import nvtx
 
 from . import measure, plots, profile_report
+from .args import UsageError, lengths, nonnegative_int, positive_int
 from .components import STEP_RANGE, breakdown
 from .flops import OpCounter
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class UsageError(ValueError):
-    """A bad combination of arguments found after parsing: reported with the usage line, exit 2."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _nonnegative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive_int(text)
-
-
-def _lengths(text: str) -> list:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated sequence lengths like 512,1024,2048, got {text!r}") from None
-    if len(values) < 2 or any(v <= 0 for v in values) or values != sorted(set(values)):
-        raise argparse.ArgumentTypeError(f"expected at least two increasing positive lengths, got {text!r}")
-    return values
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers):
     from models.glm5 import PRESETS
 
     p = subparsers.add_parser("profile", help="profile the network: trace, per-component report, plots",
@@ -70,14 +42,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), help="configuration preset (default tiny)")
     src.add_argument("--checkpoint", metavar="DIR", help="an HF checkpoint directory (config.json + safetensors)")
-    p.add_argument("--seq", type=_positive_int, default=128, help="tokens per sequence (decode: the context length)")
-    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence (decode: the context length)")
+    p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--mode", choices=measure.MODES, default="prefill")
     p.add_argument("--attn", choices=["dsa", "block_sparse", "dense"], default="dsa")
-    p.add_argument("--steps", type=_positive_int, default=3, help="measured steps")
-    p.add_argument("--warmup", type=_nonnegative_int, default=1, help="warm-up steps before measuring")
+    p.add_argument("--steps", type=positive_int, default=3, help="measured steps")
+    p.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up steps before measuring")
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/profile-<preset>-<mode>-<attn>-<time>)")
-    p.add_argument("--sweep", type=_lengths, metavar="L1,L2,...",
+    p.add_argument("--sweep", type=lengths, metavar="L1,L2,...",
                    help="also time dsa and dense at these sequence lengths (plots and the crossover)")
     p.add_argument("--unfused", action="store_true",
                    help="run the unfused ops so top-k, dispatch and combine get their own rows")
@@ -96,8 +68,37 @@ def _device(args) -> torch.device:
     return torch.device("cpu")
 
 
+def _config(args):
+    from models.glm5 import GLM5Config, preset
+
+    if not args.checkpoint:
+        return preset(args.preset or "tiny")
+    if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        raise UsageError(f"--checkpoint {args.checkpoint}: no config.json there (expected an HF checkpoint folder)")
+    try:
+        return GLM5Config.from_json(args.checkpoint)
+    except ValueError as e:
+        raise UsageError(f"--checkpoint {args.checkpoint}: {e}") from None
+
+
+def _check_fits(cfg, device, dtype, name) -> None:
+    """Refuses a model whose weights alone exceed the memory there is (counted on the meta device)."""
+    from models.glm5 import GLM5ForCausalLM, count_parameters
+
+    with torch.device("meta"):
+        need = count_parameters(GLM5ForCausalLM(cfg)) * torch.finfo(dtype).bits // 8
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+    else:
+        have = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > 0.9 * have:
+        raise UsageError(f"--preset/--checkpoint {name}: the weights alone take {need / 2**30:.1f} GiB in {dtype}, "
+                         f"more than the {have / 2**30:.1f} GiB free on {device.type}; profile a smaller preset "
+                         "(glm5-lab inspect counts the full model without building it)")
+
+
 def _model_factory(args, device, dtype):
-    from models.glm5 import GLM5ForCausalLM, preset
+    from models.glm5 import GLM5ForCausalLM
 
     def build(attn):
         kwargs = dict(attn=attn, fused=not args.unfused)
@@ -105,16 +106,15 @@ def _model_factory(args, device, dtype):
         if args.checkpoint:
             model = GLM5ForCausalLM.from_pretrained(args.checkpoint, **kwargs)
         else:
-            model = GLM5ForCausalLM(preset(args.preset or "tiny"), **kwargs)
+            model = GLM5ForCausalLM(_config(args), **kwargs)
         return model.to(device=device, dtype=dtype)
     return build
 
 
-def _recall_text(counter: OpCounter, attn: str) -> str:
+def _recall_text(counter: OpCounter) -> str:
+    """The recall sentence for the report, from the captured attention call."""
     import glm5_ops
 
-    if attn == "dense":
-        return "Dense attention attends to every visible key: nothing is selected, so there is no recall to measure."
     if counter.attention_args is None:
         return ("Not measured: layer 0's `attn/core` range ran no glm5 sparse or block-sparse attention op "
                 "(torch.ops.glm5), so its inputs could not be captured.")
@@ -134,20 +134,47 @@ def _recall_text(counter: OpCounter, attn: str) -> str:
 
 
 def _expert_load(model):
+    """(layer name, MaxVio) and the load per expert for each MoE layer of the last recorded forward."""
     from glm5_ops.balance import expert_load, max_violation
 
-    cfg = getattr(model, "config", None)
-    E = getattr(cfg, "n_routed_experts", None)
-    routing = [ids for ids in getattr(model, "last_routing", None) or [] if ids is not None]
-    if E is None:
-        E = max(int(ids.max()) for ids in routing) + 1 if routing else 0
-    sparse = [i for i, t in enumerate(getattr(cfg, "mlp_layer_types", []) or []) if t == "sparse"]
-    names = [f"layer{sparse[j]}" if j < len(sparse) else f"MoE #{j}" for j in range(len(routing))]
-    loads = [expert_load(ids.long().cpu(), E) for ids in routing]
-    return [(n, float(max_violation(l))) for n, l in zip(names, loads)], [l.tolist() for l in loads], E
+    cfg = model.config
+    routing = sorted((layer, ids) for layer, ids in (model.last_routing or {}).items() if ids is not None)
+    loads = [expert_load(ids.long().cpu(), cfg.n_routed_experts) for _, ids in routing]
+    return ([(f"layer{layer}", float(max_violation(load))) for (layer, _), load in zip(routing, loads)],
+            [load.tolist() for load in loads])
 
 
-def run(args, build_model=None) -> int:
+def _capture_attention(runner) -> OpCounter:
+    """One cache-free forward of the step's tokens, keeping layer 0's core
+    attention inputs: keys in logical order, so the recall is over positions
+    (the cached path reads a paged pool through physical slots)."""
+    counter = OpCounter(capture_layer=0)
+    with torch.inference_mode(), counter:
+        runner.model(runner.ids[:, :runner.seq])
+    return counter
+
+
+def _sweep(args, build_model, vocab, device, out, model_name, log) -> dict:
+    """dsa (or the profiled sparse mode) against dense over args.sweep: times, peaks, crossovers, two plots."""
+    modes = ["dsa" if args.attn == "dense" else args.attn, "dense"]
+    log(f"sweep {modes[0]} vs dense over {args.sweep}")
+    results = measure.sweep(build_model, modes, args.sweep, mode=args.mode, batch=args.batch, vocab=vocab,
+                            device=device, warmup=args.warmup, steps=args.steps, log=log, seed=args.seed)
+    a, d = results[modes[0]], results["dense"]
+    t_sentence, t_cross = measure.crossover(args.sweep, [p["ms"] for p in d], [p["ms"] for p in a])
+    m_sentence, m_cross = measure.crossover(args.sweep, [p["peak_bytes"] for p in d], [p["peak_bytes"] for p in a])
+    sweep = dict(lengths=args.sweep, results=results, warmup=args.warmup, steps=args.steps,
+                 time_sentence=f"{modes[0]} against dense: {t_sentence}", time_crossover=t_cross,
+                 memory_sentence=f"{modes[0]} against dense: {m_sentence}", memory_crossover=m_cross)
+    plots.sweep_lines(results, "ms", "ms per step", os.path.join(out, "sweep_time.png"),
+                      f"{model_name} {args.mode}: step time", t_cross)
+    plots.sweep_lines(results, "peak_bytes", "peak MiB", os.path.join(out, "sweep_memory.png"),
+                      f"{model_name} {args.mode}: peak memory", m_cross, scale=1 / 2**20)
+    print(f"crossover (time): {sweep['time_sentence']}\ncrossover (peak memory): {sweep['memory_sentence']}", flush=True)
+    return sweep
+
+
+def run(args) -> int:
     t0 = time.time()
 
     def log(msg):
@@ -155,8 +182,15 @@ def run(args, build_model=None) -> int:
 
     device = _device(args)
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    build_model = build_model or _model_factory(args, device, dtype)
+    build_model = _model_factory(args, device, dtype)
     model_name = args.checkpoint or args.preset or "tiny"
+    cfg = _config(args)
+    need = args.seq + (args.warmup + args.steps + 1 if args.mode == "decode" else 0)
+    for n in [need] + (args.sweep or []):
+        if n > cfg.max_position_embeddings:
+            raise UsageError(f"--seq/--sweep: {n} tokens exceed the model's max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+    _check_fits(cfg, device, dtype, model_name)
     out = args.out or os.path.join("runs", f"profile-{os.path.basename(model_name.rstrip('/'))}-{args.mode}-{args.attn}-"
                                            f"{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
@@ -164,12 +198,6 @@ def run(args, build_model=None) -> int:
 
     log(f"building {model_name} (attn={args.attn}, {'unfused' if args.unfused else 'fused'}) on {device}, {dtype}")
     model = build_model(args.attn)
-    cfg = getattr(model, "config", None)
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    need = args.seq + (args.warmup + args.steps + 1 if args.mode == "decode" else 0)
-    for n in [need] + (args.sweep or []):
-        if max_pos and n > max_pos:
-            raise UsageError(f"--seq/--sweep: {n} tokens exceed the model's max_position_embeddings ({max_pos})")
     params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     runner = measure.Runner(model, args.mode, batch=args.batch, seq=args.seq, vocab=cfg.vocab_size, device=device,
@@ -185,7 +213,7 @@ def run(args, build_model=None) -> int:
             nsys = (f"nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi --capture-range-end=stop "
                     f"-o {shlex.quote(os.path.join(out, 'glm5'))} {shlex.quote(sys.executable)} -m profiling {argv}")
             log(f"Nsight Systems capture of exactly the measured steps:\n    {nsys}")
-        measure.reset_peak_memory(device)
+        resting = measure.reset_peak_memory(device)
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
         wall = []
@@ -208,37 +236,29 @@ def run(args, build_model=None) -> int:
         bd = breakdown(prof.events(), device_time=device.type == "cuda")
         del prof
 
-        log("counting FLOPs and bytes per component (one more step)")
-        counter = OpCounter(capture_layer=0)
-        with counter:
-            runner.step()
+        log("counting FLOPs and bytes per component (one more step, routing recorded)")
+        counter = OpCounter(capture_layer=None)
+        model.record = True  # the model keeps last_routing / last_selection
+        try:
+            with counter:
+                runner.step()
+        finally:
+            model.record = False
         runner.zero_grad()
+        maxvio, loads = _expert_load(model)
+        recall = "Dense attention attends to every visible key: nothing is selected, no recall to measure."
+        if args.attn != "dense":
+            log("attention recall of layer 0's selection (one cache-free forward)")
+            recall = _recall_text(_capture_attention(runner))
     finally:
         nvtx.enable(False)
-    maxvio, loads, E = _expert_load(model)
-    recall = _recall_text(counter, args.attn)
 
     sweep = None
     if args.sweep:
-        del runner, model
-        modes = ["dsa" if args.attn == "dense" else args.attn, "dense"]
-        log(f"sweep {modes[0]} vs dense over {args.sweep}")
-        results = measure.sweep(build_model, modes, args.sweep, mode=args.mode, batch=args.batch, vocab=cfg.vocab_size,
-                                device=device, warmup=args.warmup, steps=args.steps, log=log, seed=args.seed)
-        a, d = results[modes[0]], results["dense"]
-        t_sentence, t_cross = measure.crossover(args.sweep, [p["ms"] for p in d], [p["ms"] for p in a])
-        m_sentence, m_cross = measure.crossover(args.sweep, [p["peak_bytes"] for p in d], [p["peak_bytes"] for p in a])
-        sweep = dict(lengths=args.sweep, results=results, warmup=args.warmup, steps=args.steps,
-                     time_sentence=f"{modes[0]} against dense: {t_sentence}", time_crossover=t_cross,
-                     memory_sentence=f"{modes[0]} against dense: {m_sentence}", memory_crossover=m_cross)
-        plots.sweep_lines(results, "ms", "ms per step", os.path.join(out, "sweep_time.png"),
-                          f"{model_name} {args.mode}: step time", t_cross)
-        plots.sweep_lines(results, "peak_bytes", "peak MiB", os.path.join(out, "sweep_memory.png"),
-                          f"{model_name} {args.mode}: peak memory", m_cross, scale=1 / 2**20)
-        print(f"crossover (time): {sweep['time_sentence']}\ncrossover (peak memory): {sweep['memory_sentence']}")
+        del runner, model  # the sweep builds its own models
+        sweep = _sweep(args, build_model, cfg.vocab_size, device, out, model_name, log)
 
     title = f"{model_name} {args.mode} attn={args.attn} seq={args.seq} batch={args.batch}"
-    plots.component_bars(bd, os.path.join(out, "components.png"), title)
     if loads:
         plots.expert_load(loads, maxvio, os.path.join(out, "expert_load.png"), f"expert load: {title}")
     device_info = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
@@ -248,9 +268,10 @@ def run(args, build_model=None) -> int:
                   nvtx_backend=nvtx.backend_name(), params=params, param_bytes=param_bytes,
                   tokens_per_step=tokens_per_step,
                   step_wall_s=wall, breakdown=bd, flops=dict(counter.flops), bytes=dict(counter.bytes),
-                  peak_bytes=peak, peak_what=peak_what, maxvio=maxvio, expert_load=loads, num_experts=E,
+                  peak_bytes=peak, peak_what=peak_what, resting_bytes=resting, maxvio=maxvio, expert_load=loads, num_experts=cfg.n_routed_experts,
                   top_k=getattr(cfg, "num_experts_per_tok", None), recall_text=recall, sweep=sweep, nsys_command=nsys)
     rows = profile_report.write(os.path.join(out, "report.md"), result)
+    plots.component_bars(rows, bd.clock, os.path.join(out, "components.png"), title)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump({**{k: v for k, v in result.items() if k != "breakdown"}, "components": rows,
                    "step_ms": bd.step_us / 1e3, "clock": bd.clock}, f, indent=1)

@@ -4,55 +4,77 @@ from __future__ import annotations
 
 from .components import NAMES, OTHER
 
-# In fused mode the fused kernel runs inside one range; the rows it absorbs say so.
-FUSED_NOTES = {"top-k": "fused into indexer (indexer_topk)",
-               "dispatch": "fused into experts (fused_moe)",
-               "combine": "fused into experts (fused_moe)"}
-DENSE_NOTES = {"indexer": "none in dense attention", "top-k": "none in dense attention"}
+# In fused mode one kernel does several components' work inside one range
+# (the model puts indexer_topk in attn/topk, fused_moe in moe/experts): its
+# time, FLOPs and bytes are reported in the row of the component it starts
+# from, and the absorbed rows say where they went.
+FUSED_INTO = {"top-k": "indexer", "dispatch": "experts", "combine": "experts"}
+FUSED_NOTES = {"top-k": "fused into indexer (indexer_topk): counted in the indexer row",
+               "dispatch": "fused into experts (fused_moe): counted in the experts row",
+               "combine": "fused into experts (fused_moe): counted in the experts row"}
+ATTN_NOTES = {"dense": {"indexer": "none in dense attention", "top-k": "none in dense attention"},
+              "block_sparse": {"indexer": "none: block_topk_mask runs inside core attention",
+                               "top-k": "none: block selection runs inside core attention"}}
 
 
 def _f(x, digits=3):
     return f"{x:.{digits}f}"
 
 
+def _si(x: float, unit: str = "") -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}".rstrip()
+
+
 def component_rows(bd, flops: dict, bytes_: dict, *, fused: bool, attn: str) -> list[dict]:
+    """One row per component (profiling.components.NAMES order), fused work folded as above."""
+    def per(d):
+        return {name: d.get(name, 0) for name in NAMES}
+    fwd, bwd, fl, by = per(bd.forward_us), per(bd.backward_us), per(flops), per(bytes_)
+    counts = per(bd.range_counts)
+    if fused:
+        for src, dst in FUSED_INTO.items():
+            for d in (fwd, bwd, fl, by):
+                d[dst] += d[src]
+                d[src] = 0
     rows = []
     for name in NAMES:
-        t_us = bd.total_us(name)
-        note = ""
-        if fused and name in FUSED_NOTES:
+        t_us = fwd[name] + bwd[name]
+        if name in ATTN_NOTES.get(attn, {}):
+            note = ATTN_NOTES[attn][name]
+        elif fused and name in FUSED_NOTES:
             note = FUSED_NOTES[name]
-        elif attn == "dense" and name in DENSE_NOTES:
-            note = DENSE_NOTES[name]
-        elif name == "top-k" and attn == "block_sparse":
-            note = "block selection runs in the indexer range" if not bd.range_counts.get(name) else ""
         elif name == OTHER:
             note = "step time outside every component range"
-        elif not bd.range_counts.get(name):
-            note = "no range in this configuration"
-        f, b = flops.get(name, 0), bytes_.get(name, 0)
-        rows.append(dict(component=name, ranges=bd.range_counts.get(name, 0), ms=t_us / 1e3,
-                         backward_ms=bd.backward_us.get(name, 0.0) / 1e3, share=bd.share(name),
-                         gflop=f / 1e9, gflops=(f / 1e9) / (t_us / 1e6) if t_us > 0 and f else None,
-                         mb=b / 1e6, gbs=(b / 1e9) / (t_us / 1e6) if t_us > 0 and b else None, note=note))
+        elif not counts[name]:
+            note = "no range in this configuration" + (" (model(ids) does not run MTP)" if name == "MTP" else "")
+        else:
+            note = ""
+        f, b = fl[name], by[name]
+        rows.append(dict(component=name, ranges=counts[name], ms=t_us / 1e3, backward_ms=bwd[name] / 1e3,
+                         share=t_us / bd.step_us if bd.step_us > 0 else 0.0, flop=f, bytes=b,
+                         gflops=f / 1e9 / (t_us / 1e6) if t_us > 0 and f else None,
+                         gbs=b / 1e9 / (t_us / 1e6) if t_us > 0 and b else None, note=note))
     return rows
 
 
 def component_table(rows, *, train: bool) -> str:
     head = ["component", "ranges/step", "ms/step", "share"] + (["of which backward ms"] if train else []) + \
-           ["GFLOP/step", "GFLOP/s", "MB/step", "GB/s", "note"]
+           ["FLOP/step", "GFLOP/s", "bytes/step", "GB/s", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["component"], f"{r['ranges']:g}", _f(r["ms"]), f"{r['share']:.1%}"]
         if train:
             cells.append(_f(r["backward_ms"]))
-        cells += [_f(r["gflop"], 4), "" if r["gflops"] is None else f"{r['gflops']:.2f}", _f(r["mb"], 2),
+        cells += [_si(r["flop"]), "" if r["gflops"] is None else f"{r['gflops']:.2f}", _si(r["bytes"], "B"),
                   "" if r["gbs"] is None else f"{r['gbs']:.2f}", r["note"]]
         lines.append("| " + " | ".join(cells) + " |")
     total_ms = sum(r["ms"] for r in rows)
     total_share = sum(r["share"] for r in rows)
     lines.append(f"| **total** | | {_f(total_ms)} | {total_share:.1%} |" + (" |" if train else "") +
-                 f" {_f(sum(r['gflop'] for r in rows), 4)} | | {_f(sum(r['mb'] for r in rows), 2)} | | |")
+                 f" {_si(sum(r['flop'] for r in rows))} | | {_si(sum(r['bytes'] for r in rows), 'B')} | | |")
     return "\n".join(lines)
 
 
@@ -82,7 +104,9 @@ def write(path: str, r: dict) -> None:
            component_table(rows, train=train), "",
            "![component breakdown](components.png)", "",
            "## Memory", "",
-           f"- peak during the measured steps: {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_what']})",
+           f"- peak during the measured steps: {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_what']}), "
+           f"{(r['peak_bytes'] - r['resting_bytes']) / 2**20:.1f} MiB above the {r['resting_bytes'] / 2**20:.1f} MiB "
+           "held before them (weights, the decode context, the runtime)",
            f"- parameters: {r['param_bytes'] / 2**20:.1f} MiB", ""]
     out += ["## Expert load", ""]
     if r["expert_load"]:
@@ -99,7 +123,8 @@ def write(path: str, r: dict) -> None:
         s = r["sweep"]
         out += ["## Sweep: dsa vs dense", "",
                 f"{r['mode']} with batch {r['batch']}, {s['warmup']} warm-up + {s['steps']} timed steps per point, "
-                "ranges off (the plain network), one model per attention mode.", "",
+                "ranges off (the plain network), one model per attention mode; peak = memory above what the process "
+                "held before the timed steps.", "",
                 "| seq | " + " | ".join(f"{a} ms/step | {a} peak MiB" for a in s["results"]) + " |",
                 "|---|" + "---|---|" * len(s["results"])]
         for i, seq in enumerate(s["lengths"]):
