@@ -5,7 +5,7 @@ family, saved as JSON under runs/, and compared against a saved run.
     glm5-lab bench                               # all families; JSON -> runs/bench-<time>.json
     glm5-lab bench --filter moe_route --compare runs/bench-old.json   # exit 1 when a median got slower
     glm5-lab bench --load runs/bench-new.json --compare runs/bench-old.json   # tables of a saved run
-    glm5-lab bench --gpu-suite [--suite-args "--quick"]   # bench/gpu_suite.py on a CUDA machine
+    glm5-lab bench --gpu-suite [--suite-args=--quick]   # bench/gpu_suite.py on a CUDA machine
 
 The tables and the comparison are bench/report.py's (also a script there).
 """
@@ -43,7 +43,7 @@ def add_parser(subparsers):
     p.add_argument("--out", metavar="JSON", help="where to save this run (default runs/bench-<time>.json)")
     p.add_argument("--load", metavar="RUN.json", help="print (and --compare) a saved run instead of running the suite")
     p.add_argument("--gpu-suite", action="store_true", help="run bench/gpu_suite.py instead (needs a CUDA device)")
-    p.add_argument("--suite-args", default="", metavar="ARGS", help="arguments for bench/gpu_suite.py, e.g. \"--quick\"")
+    p.add_argument("--suite-args", default="", metavar="ARGS", help="arguments for bench/gpu_suite.py, written --suite-args=\"--quick --only attention\"")
     p.set_defaults(parser=p)
     return p
 

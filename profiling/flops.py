@@ -30,7 +30,7 @@ from .components import OTHER, innermost_component
 
 def causal_pairs(S: int, T: int) -> int:
     """Visible (query, key) pairs when the S queries are the last S of T positions."""
-    return sum(min(T, T - S + s + 1) for s in range(S))
+    return sum(max(0, min(T, T - S + s + 1)) for s in range(S))
 
 
 def _bind(func, args, kwargs) -> dict:
