@@ -66,7 +66,7 @@ def family_table(rows: list[dict], machine: dict | None = None) -> str:
     groups = defaultdict(list)
     for r in rows:
         groups[r["group"]].append(r)
-    lines = ["| op | shape | ours ms | baseline ms | ratio | GFLOP/s | GB/s | of ceiling |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | shape | ours ms | baseline ms | ratio | GFLOP/s | GB/s | of ceiling |", "|" + "---|" * 8]
     variants, legend = [], {}
     for group, members in groups.items():
         op, shape = split_group(group)
@@ -85,7 +85,7 @@ def family_table(rows: list[dict], machine: dict | None = None) -> str:
     lines += [f"- {op}: ours = {o or '?'}; baseline = {b or '?'}" for op, (o, b) in legend.items()]
     if variants:
         lines += ["", "Other implementations in the same groups (ratio = baseline / this):", "",
-                  "| op | shape | impl | ms | ratio | GFLOP/s | GB/s | of ceiling |", "|---|---|---|---|---|---|---|---|"]
+                  "| op | shape | impl | ms | ratio | GFLOP/s | GB/s | of ceiling |", "|" + "---|" * 8]
         lines += variants
     return "\n".join(lines)
 

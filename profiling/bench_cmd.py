@@ -36,14 +36,16 @@ def bench_report():
 def add_parser(subparsers):
     p = subparsers.add_parser("bench", help="benchmark every op family against its baseline; flag regressions",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--filter", metavar="EXPR", help="pytest -k expression selecting benchmarks (e.g. 'moe and not bwd')")
+    p.add_argument("--filter", metavar="EXPR",
+                   help="pytest -k expression selecting benchmarks (e.g. 'moe and not bwd')")
     p.add_argument("--compare", metavar="RUN.json", help="a saved run: flag benchmarks slower than it by > threshold")
     p.add_argument("--threshold", type=positive_float, default=0.10,
                    help="slowdown of the median that counts as a regression (default 0.10 = 10%%)")
     p.add_argument("--out", metavar="JSON", help="where to save this run (default runs/bench-<time>.json)")
     p.add_argument("--load", metavar="RUN.json", help="print (and --compare) a saved run instead of running the suite")
     p.add_argument("--gpu-suite", action="store_true", help="run bench/gpu_suite.py instead (needs a CUDA device)")
-    p.add_argument("--suite-args", default="", metavar="ARGS", help="arguments for bench/gpu_suite.py, written --suite-args=\"--quick --only attention\"")
+    p.add_argument("--suite-args", default="", metavar="ARGS",
+                   help="arguments for bench/gpu_suite.py, written --suite-args=\"--quick --only attention\"")
     p.set_defaults(parser=p)
     return p
 
@@ -77,8 +79,10 @@ def run_gpu_suite(suite_args: str) -> int:
 
 def run_suite(filter_expr: str | None, out: str) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "bench", "-q", "-p", "no:cacheprovider", f"--benchmark-json={os.path.abspath(out)}",
-           "--benchmark-columns=median,iqr,rounds"] + (["-k", filter_expr] if filter_expr else [])
+    cmd = [sys.executable, "-m", "pytest", "bench", "-q", "-p", "no:cacheprovider",
+           f"--benchmark-json={os.path.abspath(out)}", "--benchmark-columns=median,iqr,rounds"]
+    if filter_expr:
+        cmd += ["-k", filter_expr]
     print("[glm5-lab bench] " + shlex.join(cmd), flush=True)
     rc = subprocess.run(cmd, cwd=ROOT).returncode
     if rc == 5:

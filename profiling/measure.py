@@ -134,7 +134,8 @@ def sweep(build_model, attn_modes, lengths, *, mode, batch, vocab, device, warmu
             peak = peak_memory(device)[0] - base
             ms = 1e3 * sum(times) / len(times)
             results[attn].append(dict(seq=seq, ms=ms, peak_bytes=peak))
-            log(f"sweep {attn:>12} seq {seq:>6}: {ms:9.2f} ms/step, peak {peak / 2**20:8.1f} MiB above the resting process")
+            log(f"sweep {attn:>12} seq {seq:>6}: {ms:9.2f} ms/step, "
+                f"peak {peak / 2**20:8.1f} MiB above the resting process")
             del runner
         del model
     return results

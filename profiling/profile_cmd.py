@@ -31,6 +31,7 @@ from .args import UsageError, lengths, nonnegative_int, positive_int
 from .components import STEP_RANGE, breakdown
 from .flops import OpCounter
 
+UNDER_NSYS = "GLM5_LAB_UNDER_NSYS"  # set by the printed nsys command
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -170,7 +171,8 @@ def _sweep(args, build_model, vocab, device, out, model_name, log) -> dict:
                       f"{model_name} {args.mode}: step time", t_cross)
     plots.sweep_lines(results, "peak_bytes", "peak MiB", os.path.join(out, "sweep_memory.png"),
                       f"{model_name} {args.mode}: peak memory", m_cross, scale=1 / 2**20)
-    print(f"crossover (time): {sweep['time_sentence']}\ncrossover (peak memory): {sweep['memory_sentence']}", flush=True)
+    print(f"crossover (time): {sweep['time_sentence']}\n"
+          f"crossover (peak memory): {sweep['memory_sentence']}", flush=True)
     return sweep
 
 
@@ -191,8 +193,8 @@ def run(args) -> int:
             raise UsageError(f"--seq/--sweep: {n} tokens exceed the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
     _check_fits(cfg, device, dtype, model_name)
-    out = args.out or os.path.join("runs", f"profile-{os.path.basename(model_name.rstrip('/'))}-{args.mode}-{args.attn}-"
-                                           f"{time.strftime('%Y%m%d-%H%M%S')}")
+    stem = os.path.basename(model_name.rstrip("/"))
+    out = args.out or os.path.join("runs", f"profile-{stem}-{args.mode}-{args.attn}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
     command = getattr(args, "command", "glm5-lab profile")
 
@@ -210,12 +212,16 @@ def run(args) -> int:
         nsys = None
         if device.type == "cuda":
             argv = command.split(" ", 1)[1] if " " in command else "profile"
-            nsys = (f"nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi --capture-range-end=stop "
-                    f"-o {shlex.quote(os.path.join(out, 'glm5'))} {shlex.quote(sys.executable)} -m profiling {argv}")
+            nsys = (f"{UNDER_NSYS}=1 nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi "
+                    f"--capture-range-end=stop -o {shlex.quote(os.path.join(out, 'glm5'))} "
+                    f"{shlex.quote(sys.executable)} -m profiling {argv}")
             log(f"Nsight Systems capture of exactly the measured steps:\n    {nsys}")
+        # Under nsys, CUPTI belongs to Nsight: torch.profiler then records CPU only.
+        cuda_trace = device.type == "cuda" and os.environ.get(UNDER_NSYS) != "1"
         resting = measure.reset_peak_memory(device)
-        activities = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda_trace:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         wall = []
         with torch.profiler.profile(activities=activities) as prof:
             if device.type == "cuda":
@@ -233,7 +239,7 @@ def run(args) -> int:
         trace = os.path.join(out, "trace.json")
         prof.export_chrome_trace(trace)
         log(f"trace -> {trace}")
-        bd = breakdown(prof.events(), device_time=device.type == "cuda")
+        bd = breakdown(prof.events(), device_time=cuda_trace)
         del prof
 
         log("counting FLOPs and bytes per component (one more step, routing recorded)")
@@ -268,7 +274,8 @@ def run(args) -> int:
                   nvtx_backend=nvtx.backend_name(), params=params, param_bytes=param_bytes,
                   tokens_per_step=tokens_per_step,
                   step_wall_s=wall, breakdown=bd, flops=dict(counter.flops), bytes=dict(counter.bytes),
-                  peak_bytes=peak, peak_what=peak_what, resting_bytes=resting, maxvio=maxvio, expert_load=loads, num_experts=cfg.n_routed_experts,
+                  peak_bytes=peak, peak_what=peak_what, resting_bytes=resting, maxvio=maxvio, expert_load=loads,
+                  num_experts=cfg.n_routed_experts,
                   top_k=getattr(cfg, "num_experts_per_tok", None), recall_text=recall, sweep=sweep, nsys_command=nsys)
     rows = profile_report.write(os.path.join(out, "report.md"), result)
     plots.component_bars(rows, bd.clock, os.path.join(out, "components.png"), title)

@@ -87,11 +87,13 @@ def write(path: str, r: dict) -> None:
            f"{'fused' if r['fused'] else 'unfused'} kernels", "",
            f"Command: `{r['command']}`", "",
            f"- device: {r['device']} ({r['device_info']}), dtype {r['dtype']}, torch {r['torch']}",
-           f"- kernels: {'fused (indexer_topk, fused_moe)' if r['fused'] else 'unfused (indexer_scores then topk_indices; moe_dispatch, expert GEMMs, moe_combine)'}",
+           "- kernels: " + ("fused (indexer_topk, fused_moe)" if r["fused"] else
+                            "unfused (indexer_scores then topk_indices; moe_dispatch, expert GEMMs, moe_combine)"),
            f"- batch {r['batch']}, seq {r['seq']}, {r['warmup']} warm-up + {bd.steps} measured steps; "
            f"NVTX backend: {r['nvtx_backend']}",
            f"- parameters: {r['params'] / 1e6:.2f} M",
-           f"- mean step: {bd.step_us / 1e3:.3f} ms ({bd.clock}), {r['tokens_per_step'] / (bd.step_us / 1e6):.1f} tokens/s "
+           f"- mean step: {bd.step_us / 1e3:.3f} ms ({bd.clock}), "
+           f"{r['tokens_per_step'] / (bd.step_us / 1e6):.1f} tokens/s "
            f"({r['tokens_per_step']} tokens per step); wall per step under the profiler: "
            + ", ".join(f"{t * 1e3:.2f}" for t in r["step_wall_s"]) + " ms",
            "", "## Time per component", "",
@@ -136,7 +138,8 @@ def write(path: str, r: dict) -> None:
             "or chrome://tracing); the component ranges appear as user annotations.",
             "- `report.json`: the numbers above, machine-readable.", ""]
     if r.get("nsys_command"):
-        out += ["## Nsight Systems", "", "The measured steps sit between cudaProfilerStart/Stop; this captures exactly them:",
+        out += ["## Nsight Systems", "",
+                "The measured steps sit between cudaProfilerStart/Stop; this captures exactly them:",
                 "", "```", r["nsys_command"], "```", ""]
     with open(path, "w") as f:
         f.write("\n".join(out))

@@ -73,7 +73,8 @@ def test_module_entry_point_gives_usage_not_traceback():
 
 def _run_json(path, medians):
     data = {"machine_info": {"glm5_ceilings": {"matmul_gflops": 100.0, "bandwidth_gbs": 10.0}},
-            "benchmarks": [{"group": group, "name": f"test_x[{impl}]", "fullname": f"bench/test_bench_moe.py::test_x[{impl}]",
+            "benchmarks": [{"group": group, "name": f"test_x[{impl}]",
+                            "fullname": f"bench/test_bench_moe.py::test_x[{impl}]",
                             "stats": {"median": m}, "extra_info": {"role": impl, "impl": f"{impl} impl", "flops": 1e9,
                                                                    "ceiling": "matmul"}}
                            for (group, impl), m in medians.items()]}
@@ -198,6 +199,35 @@ def test_breakdown_self_time_and_backward(fresh_nvtx):
     assert bd.backward_us.get("core attention", 0) > 0 and bd.backward_us.get("top-k", 0) > 0
 
 
+class _Ev:
+    """A stand-in for torch.profiler's FunctionEvent (the fields breakdown reads)."""
+
+    def __init__(self, name, start, end, *, thread=1, seq=-1, fwd_thread=0, device_us=0.0, children=()):
+        self.name, self.thread, self.sequence_nr, self.fwd_thread = name, thread, seq, fwd_thread
+        self.time_range = type("R", (), {"start": start, "end": end})()
+        self.self_device_time_total = device_us
+        self.cpu_children, self.cpu_parent = list(children), None
+        for c in self.cpu_children:
+            c.cpu_parent = self
+
+
+def test_breakdown_device_time_includes_the_autograd_thread():
+    # forward on thread 1 inside the step; CUDA backward on autograd's device thread 2
+    mm = _Ev("aten::mm", 2, 3, seq=7, device_us=40.0)
+    core = _Ev("layer0/attn/core", 1, 4, children=[mm])
+    loose = _Ev("aten::add", 5, 6, device_us=5.0)
+    step = _Ev(components.STEP_RANGE + "0", 0, 10, children=[core, loose])
+    bwd_mm = _Ev("aten::mm", 8, 9, thread=2, device_us=80.0)
+    bwd = _Ev("autograd::engine::evaluate_function: MmBackward0", 7, 9.5, thread=2, seq=7, fwd_thread=1,
+              children=[bwd_mm])
+    outside = _Ev("aten::mul", 20, 21, thread=2, device_us=1000.0)  # after the step: not counted
+    bd = components.breakdown([step, core, mm, loose, bwd, bwd_mm, outside], device_time=True)
+    assert bd.clock == "cuda kernel time"
+    assert bd.step_us == 125.0
+    assert bd.forward_us["core attention"] == 40.0 and bd.backward_us["core attention"] == 80.0
+    assert bd.forward_us["other"] == 5.0
+
+
 def test_op_counter_charges_flops_to_the_open_range(fresh_nvtx):
     a, b = torch.randn(32, 48), torch.randn(48, 16, requires_grad=True)
     counter = OpCounter(capture_layer=None)
@@ -213,7 +243,8 @@ def test_op_counter_charges_flops_to_the_open_range(fresh_nvtx):
 
 
 def test_causal_pairs_and_crossover():
-    assert causal_pairs(4, 4) == 10 and causal_pairs(2, 5) == 4 + 5 and causal_pairs(3, 1) == 1  # queries before the first key see none
+    assert causal_pairs(4, 4) == 10 and causal_pairs(2, 5) == 4 + 5
+    assert causal_pairs(3, 1) == 1  # queries before the first key see none
     text, x = measure.crossover([512, 1024, 2048, 4096], [1, 2, 4, 8], [2, 3, 3, 4])  # dense, dsa
     assert "between 1024 and 2048" in text and 1024 < x < 2048
     assert measure.crossover([1, 2], [5, 6], [1, 2])[1] is None          # ahead everywhere
