@@ -53,6 +53,12 @@ class PagedCache:
             raise ValueError(f"cache full: {start} + {S} tokens exceed max_tokens={self.max_tokens}")
         self._allocate(start + S)
         self._step = (start, S)
+        # logical position -> physical slot, with a leading -1 so that slot ids
+        # of a selection are lut[selection + 1] (one gather, -1 stays -1)
+        every = self.slots(self._positions(0, start + S))
+        self._lut = torch.cat([torch.full((B, 1), -1, dtype=torch.int32, device=every.device),
+                               every.to(torch.int32)], dim=1)
+        self._identity = B == 1 and bool((every[0] == torch.arange(start + S, device=every.device)).all())
 
     def commit(self, S: int, *, mtp: bool = False) -> None:
         if mtp:
@@ -92,13 +98,18 @@ class PagedCache:
         """Stores this step's tokens of `layer`; returns (latent keys [B,T,C+r]
         in logical order if gather_keys else None, indexer keys [B,T,Di] or None)."""
         start, S = self._step
-        new = self.slots(self._positions(start, S)).reshape(-1)
+        every = self._lut[:, 1:].long()
+        new = every[:, start:].reshape(-1)
         self.latent[layer].index_copy_(0, new, kv.reshape(-1, kv.shape[-1]).to(self.latent.dtype))
         if index_key is not None:
             self.index_k[layer].index_copy_(0, new, index_key.reshape(-1, index_key.shape[-1]).to(self.latent.dtype))
-        every = self.slots(self._positions(0, start + S))
-        keys = self.latent[layer][every] if gather_keys else None
-        index_keys = self.index_k[layer][every] if index_key is not None else None
+        T = start + S
+        if self._identity:          # the pool's first T slots are the sequence, in order: views
+            keys = self.latent[layer][None, :T] if gather_keys else None
+            index_keys = self.index_k[layer][None, :T] if index_key is not None else None
+        else:
+            keys = self.latent[layer][every] if gather_keys else None
+            index_keys = self.index_k[layer][every] if index_key is not None else None
         return keys, index_keys
 
     def sparse_attention(self, layer: int, q, selection, scale: float):
@@ -106,7 +117,10 @@ class PagedCache:
         positions selection [B,S,topk], read in place from the latent pool."""
         B, S, H, D = q.shape
         C = self.config.kv_lora_rank
-        physical = self.slots(selection.long()).to(torch.int32)
+        if self._identity:          # one sequence on pages 0, 1, 2...: slot = position
+            physical = selection
+        else:
+            physical = self._lut.gather(1, (selection.reshape(B, -1) + 1).long()).view(B, S, -1)
         pool = self.latent[layer][None, :, None, :]            # [1, slots, 1, C+r]
         out, _ = glm5_ops.sparse_attention(q.reshape(1, B * S, H, D), pool, pool[..., :C],
                                            physical.reshape(1, B * S, -1), scale=scale, causal=False)

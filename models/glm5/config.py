@@ -184,6 +184,37 @@ def _glm5() -> GLM5Config:
     return GLM5Config()  # the published GLM-5 config is the default
 
 
+def _seed_1_8t() -> GLM5Config:
+    """The seed article's design (shared/seed): 128 experts with 8-12 active,
+    ~1.8T parameters, compute of a ~200B dense model, each query reading the
+    top 5% of keys at 32K, the predictor (indexer) within 3% of total compute.
+
+    It gives only those totals, so this is GLM-5 at twice the width with every
+    proportion kept: hidden 12288, 128 heads of the same MLA head dims
+    (kv_lora 512, qk 192+64, v 256), q_lora = hidden/3, expert width =
+    hidden/3, dense MLP = 2*hidden, 3 dense layers, the same 32x128 indexer and
+    vocabulary. "Compute of a 200B dense model" is read as ~200B weights
+    multiplied per token (2 FLOPs each, the 2N rule a dense model's compute is
+    quoted by). Each MoE layer then holds ~133 hidden^2 parameters of which
+    (5 + top_k) hidden^2 are active; with the dense layers, embeddings and
+    indexers counted, 200B of 1.8T falls between top_k 9 (~196B) and
+    10 (~210B): 9 is closer, so 9 routed + 1 shared = 10 experts per token,
+    inside the article's 8-12. Depth 92 puts the total at 1.80T with 195B
+    active (197B weights per token with the LM head; run
+    `glm5-lab inspect --preset seed-1.8t`). index_topk 1600 is the largest
+    multiple of 64 within 5% of 32K keys. To keep the indexer within 3% of the
+    FLOPs at 32K context (decode 2.2%, prefill 1.3%) it runs on one layer in
+    three and the layers between reuse its selection (indexer_types "shared",
+    as transformers' index_topk_freq=3 lays it out); on every layer it would
+    take 6.1% at 32K decode."""
+    layers = 92
+    return GLM5Config(
+        hidden_size=12288, intermediate_size=24576, moe_intermediate_size=4096, num_hidden_layers=layers,
+        first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=4096,
+        n_routed_experts=128, num_experts_per_tok=9, n_shared_experts=1, index_topk=1600,
+        indexer_types=_indexer_pattern({"num_hidden_layers": layers, "index_topk_freq": 3}))
+
+
 def _small() -> GLM5Config:
     # GLM-5's shape at 1/6 width and 8 layers: every mechanism present (2 dense
     # layers then MoE, MLA, an 8-head indexer choosing 2048 keys, 64 experts in
@@ -207,7 +238,7 @@ def _tiny() -> GLM5Config:
         index_n_heads=8, index_head_dim=16, index_topk=16, max_position_embeddings=4096)
 
 
-PRESETS = {"glm-5": _glm5, "small": _small, "tiny": _tiny}
+PRESETS = {"glm-5": _glm5, "seed-1.8t": _seed_1_8t, "small": _small, "tiny": _tiny}
 
 
 def preset(name: str) -> GLM5Config:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import NamedTuple
 
 import torch
 
 from .config import GLM5Config
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MTP_DUPLICATES = ("embed_tokens.weight", "shared_head.head.weight")   # the main model's, repeated
 
@@ -42,81 +42,109 @@ def _shard_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    tensors = {}
+class _Source(NamedTuple):
+    file: str
+    key: str
+    shape: tuple
+    dtype: str
+
+
+def _index_checkpoint(path: str) -> dict[str, _Source]:
+    """Every tensor's file, shape and dtype, read from the headers only."""
+    from safetensors import safe_open
+    sources = {}
     for file in _shard_files(path):
-        tensors.update(load_file(file))
-    return tensors
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                sources[key] = _Source(file, key, tuple(sl.get_shape()), sl.get_dtype())
+    return sources
 
 
-def _stack_experts(tensors: dict) -> dict:
-    """Per-expert weights -> [E,2I,D] gate_up and [E,D,I] down, per layer."""
-    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    out = {}
-    for name, t in tensors.items():
+# A target tensor is filled from one source (whole), or from several sources
+# written into slices of it (per-expert weights into the stacked layout).
+class _Piece(NamedTuple):
+    source: _Source
+    index: tuple          # where in the target: () = the whole tensor
+
+
+def _plan(sources: dict, num_layers: int) -> tuple[dict[str, list[_Piece]], dict[str, tuple], int]:
+    """(target name -> pieces, target name -> shape, MTP depth) in our module names."""
+    pieces: dict[str, list[_Piece]] = {}
+    shapes: dict[str, tuple] = {}
+    experts: dict[str, dict[int, dict[str, _Source]]] = {}
+    depth = 0
+    for key, src in sources.items():
+        name, mtp = _rename_mtp(key, num_layers)
+        if name is None:
+            continue
+        depth = max(depth, mtp)
         m = _EXPERT.match(name)
         if m:
-            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-        else:
-            out[name] = t
-    for prefix, experts in groups.items():
-        E = max(experts) + 1
-        absent = [j for j in range(E) if set(experts.get(j, {})) != {"gate_proj", "up_proj", "down_proj"}]
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = src
+            continue
+        pieces[name] = [_Piece(src, ())]
+        shapes[name] = src.shape
+    for prefix, group in experts.items():
+        E = max(group) + 1
+        absent = [j for j in range(E) if set(group.get(j, {})) != {"gate_proj", "up_proj", "down_proj"}]
         if absent:
             raise ValueError(f"checkpoint: {prefix} lacks gate/up/down weights for experts {absent[:8]}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[j]["gate_proj"], experts[j]["up_proj"]], dim=0) for j in range(E)])
-        out[f"{prefix}.down_proj"] = torch.stack([experts[j]["down_proj"] for j in range(E)])
-    return out
+        I, D = group[0]["gate_proj"].shape
+        pieces[f"{prefix}.gate_up_proj"] = [p for j in range(E) for p in (
+            _Piece(group[j]["gate_proj"], (j, slice(0, I))), _Piece(group[j]["up_proj"], (j, slice(I, 2 * I))))]
+        shapes[f"{prefix}.gate_up_proj"] = (E, 2 * I, D)
+        pieces[f"{prefix}.down_proj"] = [_Piece(group[j]["down_proj"], (j,)) for j in range(E)]
+        shapes[f"{prefix}.down_proj"] = (E, D, I)
+    return pieces, shapes, depth
 
 
-def _rename_mtp(tensors: dict, num_layers: int) -> tuple[dict, int]:
-    """model.layers.{L+j}.X -> model.mtp.{j}.X (decoder parts under .layer)."""
-    out, depth = {}, 0
-    pattern = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-    for name, t in tensors.items():
-        m = pattern.match(name)
-        if not m or int(m.group(1)) < num_layers:
-            out[name] = t
-            continue
-        j, rest = int(m.group(1)) - num_layers, m.group(2)
-        depth = max(depth, j + 1)
-        if rest in _MTP_DUPLICATES:
-            continue
-        head = rest.split(".")[0]
-        if head not in ("enorm", "hnorm", "eh_proj", "shared_head"):
-            rest = "layer." + rest
-        out[f"model.mtp.{j}.{rest}"] = t
-    return out, depth
+def _rename_mtp(key: str, num_layers: int) -> tuple[str | None, int]:
+    """model.layers.{L+j}.X -> (model.mtp.{j}.X with decoder parts under .layer, j+1);
+    the MTP layer's copies of the embedding and head -> (None, j+1); others unchanged."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", key)
+    if not m or int(m.group(1)) < num_layers:
+        return key, 0
+    j, rest = int(m.group(1)) - num_layers, m.group(2)
+    if rest in _MTP_DUPLICATES:
+        return None, j + 1
+    if rest.split(".")[0] not in ("enorm", "hnorm", "eh_proj", "shared_head"):
+        rest = "layer." + rest
+    return f"model.mtp.{j}.{rest}", j + 1
 
 
-def _mismatch_report(model, tensors: dict) -> list[str]:
+def _mismatch_report(model, shapes: dict) -> list[str]:
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     problems = []
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {missing[:10]}")
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected[:10]}")
-    for name in sorted(set(expected) & set(tensors)):
-        if tuple(expected[name].shape) != tuple(tensors[name].shape):
+    for name in sorted(set(expected) & set(shapes)):
+        if tuple(expected[name].shape) != tuple(shapes[name]):
             problems.append(f"shape mismatch for {name}: model expects {tuple(expected[name].shape)}, "
-                            f"checkpoint has {tuple(tensors[name].shape)}")
+                            f"checkpoint has {tuple(shapes[name])}")
     return problems
 
 
+_FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 def load_pretrained(cls, path: str, *, dtype=None, device="cpu", verbose: bool = True, **model_kwargs):
-    """Builds `cls` from the directory's config.json and loads its tensors.
-    dtype: None keeps the checkpoint's (router weight and bias stay fp32, as in transformers)."""
+    """Builds `cls` from the directory's config.json and loads its tensors,
+    one tensor at a time into preallocated parameters (peak memory: the model
+    plus one tensor). dtype: None keeps the checkpoint's (router weight and
+    bias stay fp32, as in transformers)."""
+    from safetensors import safe_open
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory (expected config.json + safetensors)")
     config = GLM5Config.from_json(path)
-    tensors = _stack_experts(read_checkpoint(path))
+    pieces, shapes, depth = _plan(_index_checkpoint(path), config.num_hidden_layers)
     if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    tensors, depth = _rename_mtp(tensors, config.num_hidden_layers)
+        pieces.pop("lm_head.weight", None)
+        shapes.pop("lm_head.weight", None)
     if depth != config.num_nextn_predict_layers:
         if verbose and depth == 0:
             print(f"[glm5] {path}: no MTP layer in the checkpoint (transformers does not save one); "
@@ -124,17 +152,28 @@ def load_pretrained(cls, path: str, *, dtype=None, device="cpu", verbose: bool =
         config = config.replace(num_nextn_predict_layers=depth)
     with torch.device("meta"):
         model = cls(config, **model_kwargs)
-    problems = _mismatch_report(model, tensors)
+    problems = _mismatch_report(model, shapes)
     if problems:
         raise ValueError(f"checkpoint {path} does not fit GLM5ForCausalLM({config.num_hidden_layers} layers):\n  "
                          + "\n  ".join(problems))
-    floating = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if dtype is None:
-        dtype = torch.bfloat16 if torch.bfloat16 in floating else torch.float16 if torch.float16 in floating \
-            else torch.float32
+        stored = {_FILE_DTYPES.get(p.source.dtype) for ps in pieces.values() for p in ps}
+        dtype = next((d for d in (torch.bfloat16, torch.float16) if d in stored), torch.float32)
     keep_fp32 = ("gate.weight", "e_score_correction_bias")
-    state = {name: t.to(device=device, dtype=torch.float32 if name.endswith(keep_fp32) else dtype)
-             for name, t in tensors.items()}
+    state = {}
+    handles = {}
+    try:
+        for name, parts in pieces.items():
+            target = torch.empty(shapes[name], device=device,
+                                 dtype=torch.float32 if name.endswith(keep_fp32) else dtype)
+            for piece in parts:
+                f = handles.get(piece.source.file)
+                if f is None:
+                    f = handles[piece.source.file] = safe_open(piece.source.file, "pt")
+                target[piece.index].copy_(f.get_tensor(piece.source.key))
+            state[name] = target
+    finally:
+        handles.clear()
     if config.tie_word_embeddings:     # one tensor under both names
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

@@ -153,8 +153,16 @@ class MLAttention(nn.Module):
     def _select(self, x, q_resid, index_keys, ctx):
         """int32 [B,S,topk] logical key positions per query (-1 = none)."""
         i = self.layer_idx
+        B, S, _ = x.shape
         T = index_keys.shape[1]
         topk = min(self.config.index_topk, T)
+        if T <= self.config.index_topk:
+            # Every visible key is chosen (transformers' top-k picks all T, the
+            # causal mask drops the future): no need to score them.
+            with nvtx_range(f"layer{i}/attn/topk"):
+                keys = torch.arange(T, dtype=torch.int32, device=x.device)
+                visible = keys[None, :] <= (ctx.q_start + torch.arange(S, device=x.device))[:, None]
+                return torch.where(visible, keys, -1)[None].expand(B, S, T)
         with nvtx_range(f"layer{i}/attn/indexer"):
             qi, wi = self.indexer.query(x, q_resid, ctx.cos, ctx.sin)
             qi, index_keys = qi.to(index_keys.dtype), index_keys
