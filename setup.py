@@ -99,4 +99,5 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": cx.BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
+    entry_points={"console_scripts": ["glm5-lab = profiling.cli:main"]},
 )

@@ -33,8 +33,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     session = getattr(config, "_benchmarksession", None)
     if session is None or not session.benchmarks:
         return
-    rows = [dict(group=b.group, name=b.name, median=b.stats.median, **b.extra_info)
+    rows = [dict(group=b.group, name=b.name, fullname=b.fullname, median=b.stats.median, **b.extra_info)
             for b in session.benchmarks if b.stats is not None]
     terminalreporter.write_line("")
-    terminalreporter.write_line(f"glm5 benchmark table ({DEVICE}, ceilings: {machine_ceilings()})")
-    terminalreporter.write_line(report.table(rows, machine_ceilings()))
+    terminalreporter.write_line(f"glm5 benchmark tables ({DEVICE}, ceilings: {machine_ceilings()})")
+    terminalreporter.write_line(report.family_tables(rows, machine_ceilings()))

@@ -1,0 +1,4 @@
+"""python -m profiling ... == glm5-lab ..."""
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""Argument helpers shared by the glm5-lab subcommands."""
+from __future__ import annotations
+
+import argparse
+
+
+class UsageError(ValueError):
+    """A bad argument found after parsing (it needs the model or the machine to
+    judge): cli.main reports it like argparse does, usage line and exit 2."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def nonnegative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
+
+
+def lengths(text: str) -> list:
+    """'512,1024,2048' -> [512, 1024, 2048]: at least two, increasing."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sequence lengths like 512,1024,2048, "
+                                         f"got {text!r}") from None
+    if len(values) < 2 or any(v <= 0 for v in values) or values != sorted(set(values)):
+        raise argparse.ArgumentTypeError(f"expected at least two increasing positive lengths, got {text!r}")
+    return values
