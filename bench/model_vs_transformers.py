@@ -23,11 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def write_checkpoint(preset_name: str, path: str, seed: int = 0) -> None:
+def write_checkpoint(preset_name: str, path: str, seed: int = 0, **changes) -> None:
     import transformers
 
     from models.glm5 import preset
-    config = preset(preset_name)
+    config = preset(preset_name).replace(**changes)
     torch.manual_seed(seed)
     hf = transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**config.to_hf_dict()))
     g = torch.Generator().manual_seed(seed)
@@ -95,6 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--big-prefill", type=int, default=32768, help="ours only (0: skip)")
     ap.add_argument("--chunk", type=int, default=2048, help="our prefill chunk")
+    ap.add_argument("--index-topk", type=int, help="override the preset's index_topk (a runtime choice, "
+                    "not a weight: both sides read it from config.json)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
@@ -105,8 +107,9 @@ def main(argv=None) -> int:
         return 0
     results = []
     with tempfile.TemporaryDirectory() as ckpt:
-        print(f"[bench] writing a random {args.preset} checkpoint", flush=True)
-        write_checkpoint(args.preset, ckpt)
+        changes = {"index_topk": args.index_topk} if args.index_topk else {}
+        print(f"[bench] writing a random {args.preset} checkpoint {changes or ''}", flush=True)
+        write_checkpoint(args.preset, ckpt, **changes)
         impls = ["ours"] + ([] if args.skip_transformers else ["transformers"])
         plan = [(impl, "prefill", args.prefill, 0) for impl in impls if args.prefill]
         plan += [(impl, "decode", args.decode_context, args.decode_steps) for impl in impls

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The README's main job. Until the end-to-end profiler lands, that is the
-# benchmark suite: every kernel family against its dense baseline, one table.
+# The README's main job: install and compile (scripts/setup.sh), then profile a
+# tiny GLM-5 end to end on this machine with glm5-lab: per-component table,
+# torch.profiler trace (Perfetto), plots, and dsa vs dense over 4 lengths.
+# Extra arguments go to `glm5-lab profile` (e.g. --preset small --seq 2048).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-mkdir -p runs
-out=runs/bench-$(date +%Y%m%d-%H%M%S).json
-echo "[main] benchmarking (about 12 minutes on 2 cores); JSON -> $out"
-python3 -m pytest bench -q -p no:cacheprovider --benchmark-json="$out" --benchmark-columns=median,iqr,rounds "$@"
-echo "[main] table:"
-python3 bench/report.py "$out"
+out=runs/main
+echo "[main] profiling the tiny GLM-5 (prefill, DSA) -> $out"
+python3 -m profiling profile --preset tiny --seq 256 --mode prefill --attn dsa --steps 3 --warmup 1 \
+    --sweep 512,1024,2048,4096 --out "$out" "$@"
+echo "[main] report: $out/report.md  trace: $out/trace.json (open in https://ui.perfetto.dev)  plots: $out/*.png"

@@ -195,16 +195,20 @@ class MLAttention(nn.Module):
 
 
 def _dense_causal(q, k, v, scale, q_start: int):
-    """Causal attention over every key, in the absorbed (MQA) form: q [B,S,H,D],
-    k [B,T,1,D], v [B,T,1,Dv]. Heads fold into the query rows of one SDPA."""
+    """Causal attention over every key in the absorbed (MQA) form: q [B,S,H,D],
+    k [B,T,1,D], v [B,T,1,Dv] (a view of k). One SDPA with the kv head
+    broadcast to the H query heads; the mask is [S,T] (none when S == T)."""
     B, S, H, D = q.shape
     T = k.shape[1]
-    pos_q = q_start + torch.arange(S, device=q.device)
-    mask = torch.arange(T, device=q.device)[None, :] <= pos_q[:, None]           # [S, T]
-    mask = mask[:, None, :].expand(S, H, T).reshape(1, 1, S * H, T)
-    out = F.scaled_dot_product_attention(q.reshape(B, 1, S * H, D), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
-    return out.reshape(B, S, H, -1)
+    kh = k.transpose(1, 2).expand(B, H, T, D)
+    vh = v.transpose(1, 2).expand(B, H, T, v.shape[-1])
+    if S == T and q_start == 0:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True, scale=scale)
+    else:
+        pos_q = q_start + torch.arange(S, device=q.device)
+        mask = torch.arange(T, device=q.device)[None, :] <= pos_q[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
 
 
 class MLP(nn.Module):
