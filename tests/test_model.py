@@ -210,12 +210,14 @@ def test_decode_through_paged_cache_equals_full_forward(attn):
     # query block of its own: only with blocks of one token does it equal the
     # full forward (which still runs its paged-cache path).
     model = _random_model(config, attn, block_size=1)
-    ids = _ids(config, 2, 45)
+    ids = _ids(config, 2, 96)
     with torch.no_grad():
         full = model(ids)
-        cache = model.new_cache(2, 64, page_size=8)
-        steps = [model(ids[:, :13], cache)]                      # prefill, then one token at a time
-        steps += [model(ids[:, t:t + 1], cache) for t in range(13, 45)]
+        cache = model.new_cache(2, 128, page_size=8)
+        # prefill, a 64-token chunk after it (dense: the expanded-K/V path with a mask),
+        # then one token at a time (dense: the absorbed path)
+        steps = [model(ids[:, :13], cache), model(ids[:, 13:77], cache)]
+        steps += [model(ids[:, t:t + 1], cache) for t in range(77, 96)]
     # pages of the two sequences interleave: the pool is read through the block table
     assert not torch.equal(cache.block_table[0], torch.arange(cache.pages_per_seq))
     fraction, worst = _agreement(torch.cat(steps, 1), full)

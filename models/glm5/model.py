@@ -32,6 +32,9 @@ from glm5_ops.nvtx import nvtx_range
 from .config import GLM5Config
 
 ATTN_MODES = ("dsa", "block_sparse", "dense")
+# attn="dense" with at least this many queries per call expands K/V per head
+# (the cheaper form for prefill); fewer (decode) attend in the absorbed form.
+DENSE_EXPANDED_MIN_QUERIES = 64
 
 
 class RMSNorm(nn.Module):
@@ -123,13 +126,16 @@ class MLAttention(nn.Module):
         B, S, _ = x.shape
         i, C = self.layer_idx, self.kv_lora
         w_uk, w_uv = self._absorb()
+        expanded = ctx.attn == "dense" and S >= DENSE_EXPANDED_MIN_QUERIES
         with nvtx_range(f"layer{i}/attn/proj"):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.nope + self.rope_dim)
             q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+            q_rot = apply_rope(q_rot, ctx.cos, ctx.sin)
             latent, k_rot = self.kv_a_proj_with_mqa(x).split([C, self.rope_dim], dim=-1)
             kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, ctx.cos, ctx.sin)], dim=-1)
-            q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk), apply_rope(q_rot, ctx.cos, ctx.sin)], -1)
+            if not expanded:
+                q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_rot], dim=-1)
         index_key = None
         if self.indexer is not None and ctx.attn == "dsa":
             with nvtx_range(f"layer{i}/attn/indexer"):
@@ -141,11 +147,17 @@ class MLAttention(nn.Module):
             selection = self._select(x, q_resid, index_keys, ctx)
         elif ctx.attn == "block_sparse":
             selection = None
-        with nvtx_range(f"layer{i}/attn/core"):
-            out = self._attend(q, keys, selection, ctx)            # [B,S,H,C]
-        with nvtx_range(f"layer{i}/attn/out"):
-            out = torch.einsum("bshc,hvc->bshv", out, w_uv).reshape(B, S, self.n_heads * self.v_dim)
-            out = self.o_proj(out)
+        if expanded:
+            with nvtx_range(f"layer{i}/attn/core"):
+                out = self._dense_expanded(q_nope, q_rot, keys, ctx.q_start)    # [B,S,H,v]
+            with nvtx_range(f"layer{i}/attn/out"):
+                out = self.o_proj(out.reshape(B, S, self.n_heads * self.v_dim))
+        else:
+            with nvtx_range(f"layer{i}/attn/core"):
+                out = self._attend(q, keys, selection, ctx)            # [B,S,H,C]
+            with nvtx_range(f"layer{i}/attn/out"):
+                out = torch.einsum("bshc,hvc->bshv", out, w_uv).reshape(B, S, self.n_heads * self.v_dim)
+                out = self.o_proj(out)
         ctx.record_selection(i, selection)
         return out, selection
 
@@ -172,6 +184,27 @@ class MLAttention(nn.Module):
             if ctx.fused:
                 return glm5_ops.indexer_topk(qi, wi, index_keys, topk, causal=True, q_start=ctx.q_start)
             return glm5_ops.topk_indices(scores, topk)
+
+    def _dense_expanded(self, q_nope, q_rot, keys, q_start: int):
+        """The dense baseline for many queries, as FlashAttention runs MLA
+        prefill: every key's latent expanded to per-head K = [k_nope, k_rot]
+        (Dk = nope + rope) and V (v_head_dim) by kv_b_proj, then causal SDPA.
+        3.4x fewer FLOPs per (query, key, head) than the absorbed form, for
+        T x kv_lora x H x (nope + v) to expand."""
+        B, T, _ = keys.shape
+        S, H = q_nope.shape[1], self.n_heads
+        latent, k_rot = keys.split([self.kv_lora, self.rope_dim], dim=-1)
+        k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        if S == T and q_start == 0:
+            mask, causal = None, True
+        else:
+            pos_q = q_start + torch.arange(S, device=q.device)
+            mask, causal = torch.arange(T, device=q.device)[None, :] <= pos_q[:, None], False
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, is_causal=causal, scale=self.scale)
+        return out.transpose(1, 2)
 
     def _attend(self, q, keys, selection, ctx):
         if ctx.attn == "dsa":
