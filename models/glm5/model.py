@@ -197,6 +197,12 @@ class MLAttention(nn.Module):
         k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
+        # torch's CPU flash kernel needs one head size for q, k and v (else SDPA
+        # takes the math path, [B,H,S,T] in memory and ~8x slower): zero-pad the
+        # smaller side, which changes neither scores nor outputs.
+        D = max(q.shape[-1], self.v_dim)
+        q, k = F.pad(q, (0, D - q.shape[-1])), F.pad(k, (0, D - k.shape[-1]))
+        v = F.pad(v, (0, D - self.v_dim))
         if S == T and q_start == 0:
             mask, causal = None, True
         else:
@@ -204,7 +210,7 @@ class MLAttention(nn.Module):
             mask, causal = torch.arange(T, device=q.device)[None, :] <= pos_q[:, None], False
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, is_causal=causal, scale=self.scale)
-        return out.transpose(1, 2)
+        return out[..., :self.v_dim].transpose(1, 2)
 
     def _attend(self, q, keys, selection, ctx):
         if ctx.attn == "dsa":
