@@ -117,8 +117,9 @@ def _recall_text(counter: OpCounter) -> str:
     import glm5_ops
 
     if counter.attention_args is None:
-        return ("Not measured: layer 0's `attn/core` range ran no glm5 sparse or block-sparse attention op "
-                "(torch.ops.glm5), so its inputs could not be captured.")
+        return ("Not measured: layer 0's `attn/core` range ran no glm5 sparse or block-sparse attention op. "
+                "With dsa that means the sequence fits in index_topk: every visible key is selected (recall 1 "
+                "by construction) and the model runs dense attention.")
     name, a = counter.attention_args
     if name == "glm5::sparse_attention_fwd":
         sel, what = a["indices"], f"token selection {list(a['indices'].shape)}"

@@ -224,6 +224,30 @@ def test_decode_through_paged_cache_equals_full_forward(attn):
     assert fraction >= PARITY_FRACTION, f"{attn}: worst {worst:.2e}"
 
 
+def test_dsa_prompt_within_index_topk_runs_dense_attention():
+    """While every visible key fits in index_topk, DSA's selection is all of them:
+    a 96-token prefill takes the expanded dense path (no sparse op) and equals
+    the absorbed sparse path that decode takes over the same keys."""
+    config = _tiny(index_topk=128)
+    model = _random_model(config)
+    ids = _ids(config, 1, 96)
+    ops = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        with Spy():
+            full = model(ids)
+        assert not any("sparse_attention" in op or "indexer" in op for op in ops)
+        cache = model.new_cache(1, 96)
+        steps = [model(ids[:, :10], cache)] + [model(ids[:, t:t + 1], cache) for t in range(10, 96)]
+    fraction, worst = _agreement(torch.cat(steps, 1), full)
+    assert fraction >= PARITY_FRACTION, worst
+
+
 def test_chunked_prefill_equals_one_call():
     config = _tiny()
     model = _random_model(config)

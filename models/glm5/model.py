@@ -32,8 +32,9 @@ from glm5_ops.nvtx import nvtx_range
 from .config import GLM5Config
 
 ATTN_MODES = ("dsa", "block_sparse", "dense")
-# attn="dense" with at least this many queries per call expands K/V per head
-# (the cheaper form for prefill); fewer (decode) attend in the absorbed form.
+# Dense attention (attn="dense", or "dsa" while every visible key is selected)
+# with at least this many queries per call expands K/V per head (the cheaper
+# form for prefill); fewer (decode) attend in the absorbed form.
 DENSE_EXPANDED_MIN_QUERIES = 64
 
 
@@ -126,7 +127,10 @@ class MLAttention(nn.Module):
         B, S, _ = x.shape
         i, C = self.layer_idx, self.kv_lora
         w_uk, w_uv = self._absorb()
-        expanded = ctx.attn == "dense" and S >= DENSE_EXPANDED_MIN_QUERIES
+        # DSA selects every visible key while they fit in index_topk: that is
+        # dense attention, run as such (vLLM's DSA does the same for short prefill).
+        every_key = ctx.attn == "dense" or (ctx.attn == "dsa" and ctx.q_start + S <= self.config.index_topk)
+        expanded = every_key and S >= DENSE_EXPANDED_MIN_QUERIES
         with nvtx_range(f"layer{i}/attn/proj"):
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.nope + self.rope_dim)
@@ -143,7 +147,9 @@ class MLAttention(nn.Module):
         keys, index_keys = ctx.store(i, kv, index_key)            # [B,T,C+r] and [B,T,Di] (cache-aware)
 
         selection = prev_selection
-        if ctx.attn == "dsa" and self.indexer is not None:
+        if expanded:
+            selection = None
+        elif ctx.attn == "dsa" and self.indexer is not None:
             selection = self._select(x, q_resid, index_keys, ctx)
         elif ctx.attn == "block_sparse":
             selection = None
