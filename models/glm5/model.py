@@ -144,7 +144,7 @@ class MLAttention(nn.Module):
         if self.indexer is not None and ctx.attn == "dsa":
             with nvtx_range(f"layer{i}/attn/indexer"):
                 index_key = self.indexer.key(x, ctx.cos, ctx.sin)
-        keys, index_keys = ctx.store(i, kv, index_key)            # [B,T,C+r] and [B,T,Di] (cache-aware)
+        keys, index_keys = ctx.store(i, kv, index_key, need_keys=expanded or ctx.attn != "dsa")
 
         selection = prev_selection
         if expanded:
@@ -394,13 +394,13 @@ class ForwardContext:
         self.cos, self.sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
         self.model = model
 
-    def store(self, layer, kv, index_key):
+    def store(self, layer, kv, index_key, *, need_keys: bool):
         """Adds this step's latent keys (and indexer keys) and returns all keys
-        so far in logical order: [B,T,C+r], [B,T,Di] (None where unused)."""
+        so far in logical order: [B,T,C+r] (if need_keys: sparse attention
+        reads the cache's pool in place instead) and [B,T,Di] (None where unused)."""
         if self.cache is None:
             return kv, index_key
-        # dsa reads the latent pool in place (physical slots); the other modes want it in order
-        return self.cache.write(layer, kv, index_key, gather_keys=self.attn != "dsa")
+        return self.cache.write(layer, kv, index_key, gather_keys=need_keys)
 
     def record_selection(self, layer, selection):
         if self.model.record:
