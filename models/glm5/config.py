@@ -235,7 +235,7 @@ def _tiny() -> GLM5Config:
         num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-        index_n_heads=8, index_head_dim=16, index_topk=16, max_position_embeddings=4096)
+        index_n_heads=8, index_head_dim=16, index_topk=16, max_position_embeddings=32768)
 
 
 PRESETS = {"glm-5": _glm5, "seed-1.8t": _seed_1_8t, "small": _small, "tiny": _tiny}
