@@ -249,7 +249,7 @@ def test_inspect_config_file_and_claims_flag(capsys, tmp_path):
 
 
 def test_inspect_bad_input(capsys, tmp_path):
-    rc, _, err = inspect(capsys, "--preset", "tiny", "--context", "8192")
+    rc, _, err = inspect(capsys, "--preset", "tiny", "--context", "65536")
     assert rc == 2 and "--context" in err and "max_position_embeddings" in err
     rc, _, err = inspect(capsys, "--config", str(tmp_path / "missing.json"))
     assert rc == 2 and "--config" in err
