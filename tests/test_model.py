@@ -316,8 +316,8 @@ def test_speculative_decoding_with_a_perfect_drafter_doubles_tokens_per_forward(
     greedy = generate(model, ids, 33)
     original = model.mtp_logits
 
-    def oracle(hidden, next_ids, cache=None, depth=0):
-        logits = original(hidden, next_ids, cache, depth)
+    def oracle(hidden, next_ids, cache=None, depth=0, logits_to_keep=0):
+        logits = original(hidden, next_ids, cache, depth, logits_to_keep)
         pos = min(cache.length + 1, greedy.shape[1] - 1)   # the token after the one verified next
         return torch.nn.functional.one_hot(greedy[:, pos], logits.shape[-1]).float()[:, None].expand_as(logits)
 

@@ -39,10 +39,10 @@ class PagedCache:
         indexed = [i for i in range(layers) if i >= c.num_hidden_layers or c.indexer_types[i] == "full"]
         self.index_k = {i: torch.empty(slots, c.index_head_dim, dtype=dtype, device=device) for i in indexed}
         self.block_table = torch.full((batch, self.pages_per_seq), -1, dtype=torch.int64, device=device)
-        self.free_pages = list(range(batch * self.pages_per_seq))
+        self.free_pages = list(range(batch * self.pages_per_seq))[::-1]   # pop() takes the lowest
         self.length = 0          # tokens of the main stream held
         self.mtp_length = 0      # tokens of the MTP stream held
-        self._step = None        # (start, S) of the forward in progress, per stream
+        self._step = None        # (start, S) of the forward in progress
 
     # -- bookkeeping -----------------------------------------------------------
     def begin(self, B: int, S: int, *, mtp: bool = False) -> None:
@@ -55,10 +55,10 @@ class PagedCache:
         self._step = (start, S)
         # logical position -> physical slot, with a leading -1 so that slot ids
         # of a selection are lut[selection + 1] (one gather, -1 stays -1)
-        every = self.slots(self._positions(0, start + S))
-        self._lut = torch.cat([torch.full((B, 1), -1, dtype=torch.int32, device=every.device),
-                               every.to(torch.int32)], dim=1)
-        self._identity = B == 1 and bool((every[0] == torch.arange(start + S, device=every.device)).all())
+        self._every = self.slots(start + S)                      # [B, T] int64, once per forward
+        self._lut = torch.cat([torch.full((B, 1), -1, dtype=torch.int32, device=self._every.device),
+                               self._every.to(torch.int32)], dim=1)
+        self._identity = B == 1 and bool((self._every[0] == torch.arange(start + S, device=self._every.device)).all())
 
     def commit(self, S: int, *, mtp: bool = False) -> None:
         if mtp:
@@ -67,38 +67,30 @@ class PagedCache:
             self.length += S
         self._step = None
 
-    def truncate(self, length: int, *, mtp_length: int | None = None) -> None:
-        """Forget tokens past `length` (speculative decoding's rejected drafts)."""
+    def truncate(self, length: int) -> None:
+        """Forget the main stream's tokens past `length` (speculative decoding's rejected drafts)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"truncate length must be in [0, {self.length}], got {length}")
         self.length = length
-        if mtp_length is not None:
-            self.mtp_length = min(mtp_length, self.mtp_length)
 
     def _allocate(self, tokens: int) -> None:
         need = -(-tokens // self.page_size)
         for p in range(need):             # page p of every sequence, then page p+1: they interleave
             for b in range(self.batch):
                 if self.block_table[b, p] < 0:
-                    self.block_table[b, p] = self.free_pages.pop(0)
+                    self.block_table[b, p] = self.free_pages.pop()
 
-    def slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """Physical slot ids of logical positions [B, ...] (-1 stays -1)."""
-        valid = positions >= 0
-        pos = positions.clamp(min=0).long()
-        B = positions.shape[0]
-        pages = self.block_table.gather(1, (pos // self.page_size).reshape(B, -1)).reshape(pos.shape)
-        return torch.where(valid, pages * self.page_size + pos % self.page_size, -1)
-
-    def _positions(self, start: int, S: int) -> torch.Tensor:
-        return (start + torch.arange(S, device=self.block_table.device))[None].expand(self.batch, S)
+    def slots(self, T: int) -> torch.Tensor:
+        """Physical slot ids [B, T] of every sequence's logical positions 0..T-1."""
+        pos = torch.arange(T, device=self.block_table.device)
+        return self.block_table[:, pos // self.page_size] * self.page_size + pos % self.page_size
 
     # -- per-layer reads and writes --------------------------------------------
     def write(self, layer: int, kv, index_key, *, gather_keys: bool):
         """Stores this step's tokens of `layer`; returns (latent keys [B,T,C+r]
         in logical order if gather_keys else None, indexer keys [B,T,Di] or None)."""
         start, S = self._step
-        every = self._lut[:, 1:].long()
+        every = self._every
         new = every[:, start:].reshape(-1)
         self.latent[layer].index_copy_(0, new, kv.reshape(-1, kv.shape[-1]).to(self.latent.dtype))
         if index_key is not None:
@@ -125,8 +117,3 @@ class PagedCache:
         out, _ = glm5_ops.sparse_attention(q.reshape(1, B * S, H, D), pool, pool[..., :C],
                                            physical.reshape(1, B * S, -1), scale=scale, causal=False)
         return out.view(B, S, H, C)
-
-    def bytes_per_token(self) -> int:
-        """Cache bytes one token occupies across all layers (latent + indexer keys)."""
-        per = self.latent.shape[0] * self.latent.shape[2] + len(self.index_k) * self.config.index_head_dim
-        return per * self.latent.element_size()

@@ -70,7 +70,8 @@ def generate(model, input_ids, max_new_tokens: int, *, do_sample: bool = False, 
         logits = model(nxt[:, None], cache)[:, -1]
     result = torch.cat(out, dim=1)
     if result.shape[1] < n + max_new_tokens:        # every sequence finished early: pad with eos
-        pad = torch.full((B, n + max_new_tokens - result.shape[1]), eos_token_id, dtype=result.dtype)
+        pad = torch.full((B, n + max_new_tokens - result.shape[1]), eos_token_id, dtype=result.dtype,
+                         device=result.device)
         result = torch.cat([result, pad], dim=1)
     return result
 
@@ -106,8 +107,9 @@ def speculative_generate(model, input_ids, max_new_tokens: int, *, prefill_chunk
     new = [last]
     # The MTP stream: position t reads (hidden[t], token t+1) and predicts token t+2.
     next_ids = torch.cat([input_ids[:, 1:], last[:, None]], dim=1)
-    for s in range(0, n, prefill_chunk):
-        draft_logits = model.mtp_logits(hidden[:, s:s + prefill_chunk], next_ids[:, s:s + prefill_chunk], cache)
+    for s in range(0, n, prefill_chunk):     # fills the MTP layer's cache; only the last logits matter
+        draft_logits = model.mtp_logits(hidden[:, s:s + prefill_chunk], next_ids[:, s:s + prefill_chunk], cache,
+                                        logits_to_keep=1)
     draft = draft_logits[:, -1].argmax(-1)
     stats = SpeculativeStats(0, 0, 0, 0)
     while len(new) < max_new_tokens:
@@ -123,7 +125,7 @@ def speculative_generate(model, input_ids, max_new_tokens: int, *, prefill_chunk
             step_tokens, step_hidden = [verified[:, 0]], h[:, :1]
         new.extend(step_tokens)
         last = step_tokens[-1]
-        draft_logits = model.mtp_logits(step_hidden, torch.stack(step_tokens, dim=1), cache)
+        draft_logits = model.mtp_logits(step_hidden, torch.stack(step_tokens, dim=1), cache, logits_to_keep=1)
         draft = draft_logits[:, -1].argmax(-1)
     new = torch.stack(new[:max_new_tokens], dim=1)
     stats.new_tokens = new.shape[1] - 1           # the first token came from the prefill

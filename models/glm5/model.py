@@ -155,7 +155,7 @@ class MLAttention(nn.Module):
             selection = None
         if expanded:
             with nvtx_range(f"layer{i}/attn/core"):
-                out = self._dense_expanded(q_nope, q_rot, keys, ctx.q_start)    # [B,S,H,v]
+                out = self._dense_expanded(q_nope, q_rot, keys, ctx)    # [B,S,H,v]
             with nvtx_range(f"layer{i}/attn/out"):
                 out = self.o_proj(out.reshape(B, S, self.n_heads * self.v_dim))
         else:
@@ -164,7 +164,8 @@ class MLAttention(nn.Module):
             with nvtx_range(f"layer{i}/attn/out"):
                 out = torch.einsum("bshc,hvc->bshv", out, w_uv).reshape(B, S, self.n_heads * self.v_dim)
                 out = self.o_proj(out)
-        ctx.record_selection(i, selection)
+        if ctx.attn != "block_sparse":            # block_sparse records its mask where it builds it
+            ctx.record_selection(i, selection)
         return out, selection
 
     @torch.no_grad()
@@ -179,11 +180,10 @@ class MLAttention(nn.Module):
             # causal mask drops the future): no need to score them.
             with nvtx_range(f"layer{i}/attn/topk"):
                 keys = torch.arange(T, dtype=torch.int32, device=x.device)
-                visible = keys[None, :] <= (ctx.q_start + torch.arange(S, device=x.device))[:, None]
-                return torch.where(visible, keys, -1)[None].expand(B, S, T)
+                return torch.where(ctx.causal_mask(T), keys, -1)[None].expand(B, S, T)
         with nvtx_range(f"layer{i}/attn/indexer"):
             qi, wi = self.indexer.query(x, q_resid, ctx.cos, ctx.sin)
-            qi, index_keys = qi.to(index_keys.dtype), index_keys
+            qi = qi.to(index_keys.dtype)
             if not ctx.fused:
                 scores = glm5_ops.indexer_scores(qi, wi, index_keys, causal=True, q_start=ctx.q_start)
         with nvtx_range(f"layer{i}/attn/topk"):
@@ -191,14 +191,14 @@ class MLAttention(nn.Module):
                 return glm5_ops.indexer_topk(qi, wi, index_keys, topk, causal=True, q_start=ctx.q_start)
             return glm5_ops.topk_indices(scores, topk)
 
-    def _dense_expanded(self, q_nope, q_rot, keys, q_start: int):
+    def _dense_expanded(self, q_nope, q_rot, keys, ctx):
         """The dense baseline for many queries, as FlashAttention runs MLA
         prefill: every key's latent expanded to per-head K = [k_nope, k_rot]
         (Dk = nope + rope) and V (v_head_dim) by kv_b_proj, then causal SDPA.
         3.4x fewer FLOPs per (query, key, head) than the absorbed form, for
         T x kv_lora x H x (nope + v) to expand."""
         B, T, _ = keys.shape
-        S, H = q_nope.shape[1], self.n_heads
+        H = self.n_heads
         latent, k_rot = keys.split([self.kv_lora, self.rope_dim], dim=-1)
         k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
@@ -209,11 +209,7 @@ class MLAttention(nn.Module):
         D = max(q.shape[-1], self.v_dim)
         q, k = F.pad(q, (0, D - q.shape[-1])), F.pad(k, (0, D - k.shape[-1]))
         v = F.pad(v, (0, D - self.v_dim))
-        if S == T and q_start == 0:
-            mask, causal = None, True
-        else:
-            pos_q = q_start + torch.arange(S, device=q.device)
-            mask, causal = torch.arange(T, device=q.device)[None, :] <= pos_q[:, None], False
+        mask, causal = ctx.sdpa_mask(T)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, is_causal=causal, scale=self.scale)
         return out[..., :self.v_dim].transpose(1, 2)
@@ -228,31 +224,27 @@ class MLAttention(nn.Module):
         k = keys[:, :, None, :]                   # [B,T,1,C+r]: one latent key per token (MQA)
         v = k[..., :self.kv_lora]                 # the latent is also the value (a view)
         if ctx.attn == "dense":
-            return _dense_causal(q, k, v, self.scale, ctx.q_start)
+            return _dense_causal(q, k, v, self.scale, ctx)
         if ctx.attn == "block_sparse":
             bs = ctx.block_size
             topk_blocks = max(1, self.config.index_topk // bs - 2)   # sink + local + chosen ~ index_topk keys
             mask = glm5_ops.block_topk_mask(q, k, block_size=bs, topk_blocks=topk_blocks, q_start=ctx.q_start)
-            ctx.record_block_mask(self.layer_idx, mask)
+            ctx.record_selection(self.layer_idx, mask)
             return glm5_ops.block_sparse_attention(q, k, v, mask, scale=self.scale, causal=True,
                                                    q_start=ctx.q_start)[0]
         return glm5_ops.sparse_attention(q, k, v, selection, scale=self.scale, causal=True, q_start=ctx.q_start)[0]
 
 
-def _dense_causal(q, k, v, scale, q_start: int):
+def _dense_causal(q, k, v, scale, ctx):
     """Causal attention over every key in the absorbed (MQA) form: q [B,S,H,D],
     k [B,T,1,D], v [B,T,1,Dv] (a view of k). One SDPA with the kv head
     broadcast to the H query heads; the mask is [S,T] (none when S == T)."""
-    B, S, H, D = q.shape
+    B, _, H, D = q.shape
     T = k.shape[1]
     kh = k.transpose(1, 2).expand(B, H, T, D)
     vh = v.transpose(1, 2).expand(B, H, T, v.shape[-1])
-    if S == T and q_start == 0:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True, scale=scale)
-    else:
-        pos_q = q_start + torch.arange(S, device=q.device)
-        mask = torch.arange(T, device=q.device)[None, :] <= pos_q[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask, scale=scale)
+    mask, causal = ctx.sdpa_mask(T)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, attn_mask=mask, is_causal=causal, scale=scale)
     return out.transpose(1, 2)
 
 
@@ -389,10 +381,22 @@ class ForwardContext:
     def __init__(self, model, B, S, q_start, cache, dtype, device):
         c = model.config
         self.attn, self.fused, self.block_size = model.attn, model.fused, model.block_size
-        self.cache, self.q_start = cache, q_start
+        self.cache, self.q_start, self.S, self.device = cache, q_start, S, device
+        self._mask = None
         positions = (q_start + torch.arange(S, device=device))[None].expand(B, S)
         self.cos, self.sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
         self.model = model
+
+    def causal_mask(self, T: int):
+        """[S, T] bool, key t visible to query s (t <= q_start + s); built once per forward."""
+        if self._mask is None or self._mask.shape[1] != T:
+            pos_q = self.q_start + torch.arange(self.S, device=self.device)
+            self._mask = torch.arange(T, device=self.device)[None, :] <= pos_q[:, None]
+        return self._mask
+
+    def sdpa_mask(self, T: int):
+        """(attn_mask, is_causal) for SDPA: its own causal flag when the queries are all T keys."""
+        return (None, True) if self.S == T and self.q_start == 0 else (self.causal_mask(T), False)
 
     def store(self, layer, kv, index_key, *, need_keys: bool):
         """Adds this step's latent keys (and indexer keys) and returns all keys
@@ -405,10 +409,6 @@ class ForwardContext:
     def record_selection(self, layer, selection):
         if self.model.record:
             self.model.last_selection[layer] = selection
-
-    def record_block_mask(self, layer, mask):
-        if self.model.record:
-            self.model.last_selection[layer] = mask
 
     def record_routing(self, layer, ids):
         if self.model.record:
@@ -524,10 +524,11 @@ class GLM5ForCausalLM(nn.Module):
             hidden = hidden[:, -logits_to_keep:]
         return self.logits(hidden)
 
-    def mtp_logits(self, hidden, next_ids, cache=None, depth: int = 0):
+    def mtp_logits(self, hidden, next_ids, cache=None, depth: int = 0, logits_to_keep: int = 0):
         """MTP head `depth`: hidden [B,S,hidden] (positions t) and next_ids [B,S]
-        (tokens t+1) -> logits for tokens t+2, [B,S,V]. With a cache, the MTP
-        layer's own latent keys are appended like any layer's."""
+        (tokens t+1) -> logits for tokens t+2, [B,S,V] (the last `logits_to_keep`
+        positions when > 0). With a cache, the MTP layer's own latent keys are
+        appended like any layer's."""
         if not len(self.model.mtp):
             raise RuntimeError("this model has no MTP layer (config.num_nextn_predict_layers == 0, or the "
                                "checkpoint did not contain one)")
@@ -544,6 +545,8 @@ class GLM5ForCausalLM(nn.Module):
             x, _ = mtp.layer(x, ctx, None)
             if cache is not None:
                 cache.commit(S, mtp=True)
+            if logits_to_keep:
+                x = x[:, -logits_to_keep:]
             return self.lm_head(mtp.shared_head.norm(x))
 
     @torch.no_grad()
