@@ -2,11 +2,11 @@
 mass the selected keys carry) and the output's relative error, at 1%, 5% and
 10% density, for token-level selection (DSA) and block selection.
 
-    python bench/attention_recall.py [--source structured|byte_lm|both] [--seq 2048]
+    python bench/attention_recall.py [--source structured|byte_lm|glm5|both] [--seq 2048]
 
 Selections compared, each at the same density (selected keys / T, causal):
-  oracle top-k     the topk keys of the exact attention scores (the best any
-                   token-level predictor can do; upper bound)
+  oracle top-k     the topk keys by exact attention probability averaged over
+                   heads (the best shared selection: an upper bound)
   indexer top-k    glm5_ops.indexer_topk in the lightning indexer's form with
                    nothing learned: the attention's query heads against one
                    shared key per token (mean over kv heads), relu, unit weights
@@ -18,7 +18,9 @@ Sources: "structured" random inputs (keys drawn from 32 topics in runs of
 tokens, queries near a topic seen earlier, plus a recency bias; deterministic),
 and "byte_lm": q, k, v of every layer of the lab's byte-level LM
 (training/byte_lm.py) after a short training run on the Python stdlib
-sources (the GLM-5 model of issue 6 replaces it when it lands).
+sources; and "glm5": a GLM-5-architecture byte LM (models/glm5: MLA, DSA
+indexer, MoE) pretrained with dense attention, whose own lightning indexer is
+measured before and after DSA's dense warm-up (training/indexer_warmup.py).
 Prints a markdown table; results go to bench/RESULTS.md.
 """
 from __future__ import annotations
@@ -99,16 +101,55 @@ def indexer_selection(q, k, topk: int):
 
 
 def oracle_selection(q, k, topk: int, scale: float):
-    """Per query, the topk keys by exact score summed over heads (shared by all heads, as DSA's are)."""
-    B, S, H, D = q.shape
-    scores = torch.einsum("bshd,bthd->bst", q, k) * scale
-    causal = torch.ones(S, k.shape[1], dtype=torch.bool).tril(k.shape[1] - S)
-    return glm5_ops.topk_indices(scores.masked_fill(~causal, float("-inf")), topk)
+    """Per query, the topk keys by attention probability averaged over heads:
+    recall is that average summed over the chosen keys, so this is the best
+    selection shared by all heads (as DSA's is), an upper bound for any
+    token-level predictor. (Ranking by the heads' summed scores instead, as
+    an earlier version did, is not: warmed-up indexers beat it.)"""
+    S, T = q.shape[1], k.shape[1]
+    causal = torch.ones(S, T, dtype=torch.bool).tril(T - S)
+    scores = torch.einsum("bshd,bthd->bhst", q, k) * scale
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).mean(1)
+    return glm5_ops.topk_indices(probs.masked_fill(~causal, float("-inf")), topk)
 
 
-def rows_for(name: str, q, k, v):
+def glm5_inputs(S: int, steps: int, warmup_steps: int, seed: int = 0):
+    """Per layer of a GLM-5-architecture byte LM (training/indexer_warmup.py)
+    pretrained `steps` steps at seq_len S with dense attention: (q, k, v) per
+    head on a held-out sequence, its scale, and its own indexer's top-k before
+    and after DSA's dense warm-up (`warmup_steps` steps of KL to the attention)."""
+    from training.indexer_warmup import attention_inputs, byte_glm5, head_qkv, pretrain, warm_up_indexer
+    from training.train import load_corpus
+
+    corpus = load_corpus(9 << 20)
+    train, held_out = corpus[:8 << 20], corpus[8 << 20:]
+    model = byte_glm5(S, seed)
+    pretrain(model, train, steps=steps, seq_len=S, seed=seed)
+    ids = held_out[None, :S].long()
+    layers = [(attn, *head_qkv(attn, x, cos, sin), x, cos, sin) for attn, x, cos, sin in attention_inputs(model, ids)]
+
+    @torch.no_grad()
+    def indexer_inputs():
+        return [(attn.indexer.query(x, q_resid, cos, sin), attn.indexer.key(x, cos, sin))
+                for attn, _, _, _, q_resid, x, cos, sin in layers]
+
+    before = indexer_inputs()
+    warm_up_indexer(model, train, steps=warmup_steps, seq_len=S, seed=seed + 1)
+    after = indexer_inputs()
+    out = []
+    for (attn, q, k, v, *_), ((qb, wb), kb), ((qa, wa), ka) in zip(layers, before, after):
+        selections = {
+            "GLM-5 indexer, untrained": lambda topk, qi=qb, wi=wb, ki=kb: glm5_ops.indexer_topk(qi, wi, ki, topk),
+            "GLM-5 indexer, after warm-up": lambda topk, qi=qa, wi=wa, ki=ka: glm5_ops.indexer_topk(qi, wi, ki, topk),
+        }
+        out.append((q, k, v, attn.scale, selections))
+    return out
+
+
+def rows_for(name: str, q, k, v, scale: float | None = None, selectors: dict | None = None):
+    """Recall rows at each density; selectors: extra {name: topk -> selection}."""
     S, D = q.shape[1], q.shape[3]
-    scale = D ** -0.5
+    scale = D ** -0.5 if scale is None else scale
     out = []
     for dens in DENSITIES:
         topk = max(1, round(dens * S))
@@ -122,6 +163,7 @@ def rows_for(name: str, q, k, v):
             "block (mean)": glm5_ops.block_topk_mask(q, k, **blocks),
             "block (minmax)": glm5_ops.block_topk_mask(q, k, pooling="minmax", **blocks),
         }
+        sels.update({sel_name: select(topk) for sel_name, select in (selectors or {}).items()})
         for sel_name, sel in sels.items():
             r = glm5_ops.attention_recall(q, k, v, sel, scale=scale)
             out.append((name, f"{dens:.0%}", sel_name, r.mean_recall, float(r.rel_err.median()), r.output_rel_err))
@@ -130,9 +172,11 @@ def rows_for(name: str, q, k, v):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", choices=("structured", "byte_lm", "both"), default="both")
+    ap.add_argument("--source", choices=("structured", "byte_lm", "glm5", "both"), default="both",
+                    help="both = structured and byte_lm")
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=300, help="byte LM training steps")
+    ap.add_argument("--steps", type=int, default=300, help="byte LM / byte GLM-5 training steps")
+    ap.add_argument("--warmup-steps", type=int, default=100, help="glm5: indexer warm-up steps (KL)")
     args = ap.parse_args(argv)
     rows = []
     if args.source in ("structured", "both"):
@@ -142,6 +186,11 @@ def main(argv=None):
         print(f"training the byte LM at seq_len {args.seq} for {args.steps} steps ...", flush=True)
         for i, (q, k, v) in enumerate(byte_lm_inputs(args.seq, args.steps)):
             rows += rows_for(f"byte_lm layer {i}", q, k, v)
+    if args.source == "glm5":
+        print(f"training a byte-level GLM-5 at seq_len {args.seq} for {args.steps} steps, then warming up "
+              f"its indexer for {args.warmup_steps} ...", flush=True)
+        for i, (q, k, v, scale, selectors) in enumerate(glm5_inputs(args.seq, args.steps, args.warmup_steps)):
+            rows += rows_for(f"glm5 layer {i}", q, k, v, scale, selectors)
     print("\n| inputs | density | selection | mean recall | median rel err | output rel err |")
     print("|---|---|---|---|---|---|")
     for r in rows:

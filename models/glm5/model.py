@@ -117,6 +117,28 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.indexer = None if shared_selection else Indexer(c)
 
+    def project(self, x, cos, sin):
+        """The projections every mode shares: q_nope [B,S,H,nope], q_rot
+        [B,S,H,rope] (roped), q_resid [B,S,q_lora] (the indexer's query input)
+        and kv [B,S,C+rope], the normed latent and roped k_rot the cache stores."""
+        B, S, _ = x.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, cos, sin)], dim=-1)
+        return q_nope, apply_rope(q_rot, cos, sin), q_resid, kv
+
+    def expand(self, q_nope, q_rot, keys):
+        """The non-absorbed (per-head) form: q [B,S,H,nope+rope], k [B,T,H,nope+rope]
+        and v [B,T,H,v] from the latent keys [B,T,C+rope] through kv_b_proj."""
+        B, T, _ = keys.shape
+        H = self.n_heads
+        latent, k_rot = keys.split([self.kv_lora, self.rope_dim], dim=-1)
+        k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
+        return torch.cat([q_nope, q_rot], dim=-1), k, v
+
     def _absorb(self):
         """W_UK [H, nope, C] and W_UV [H, v, C] as views of kv_b_proj."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
@@ -125,19 +147,14 @@ class MLAttention(nn.Module):
     def forward(self, x, ctx: "ForwardContext", prev_selection):
         """x [B,S,hidden] -> (out [B,S,hidden], selection for a following shared layer)."""
         B, S, _ = x.shape
-        i, C = self.layer_idx, self.kv_lora
+        i = self.layer_idx
         w_uk, w_uv = self._absorb()
         # DSA selects every visible key while they fit in index_topk: that is
         # dense attention, run as such (vLLM's DSA does the same for short prefill).
         every_key = ctx.attn == "dense" or (ctx.attn == "dsa" and ctx.q_start + S <= self.config.index_topk)
         expanded = every_key and S >= DENSE_EXPANDED_MIN_QUERIES
         with nvtx_range(f"layer{i}/attn/proj"):
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.nope + self.rope_dim)
-            q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
-            q_rot = apply_rope(q_rot, ctx.cos, ctx.sin)
-            latent, k_rot = self.kv_a_proj_with_mqa(x).split([C, self.rope_dim], dim=-1)
-            kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, ctx.cos, ctx.sin)], dim=-1)
+            q_nope, q_rot, q_resid, kv = self.project(x, ctx.cos, ctx.sin)
             if not expanded:
                 q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_rot], dim=-1)
         index_key = None
@@ -197,12 +214,8 @@ class MLAttention(nn.Module):
         (Dk = nope + rope) and V (v_head_dim) by kv_b_proj, then causal SDPA.
         3.4x fewer FLOPs per (query, key, head) than the absorbed form, for
         T x kv_lora x H x (nope + v) to expand."""
-        B, T, _ = keys.shape
-        H = self.n_heads
-        latent, k_rot = keys.split([self.kv_lora, self.rope_dim], dim=-1)
-        k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
-        k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
-        q = torch.cat([q_nope, q_rot], dim=-1)
+        T = keys.shape[1]
+        q, k, v = self.expand(q_nope, q_rot, keys)
         # torch's CPU flash kernel needs one head size for q, k and v (else SDPA
         # takes the math path, [B,H,S,T] in memory and ~8x slower): zero-pad the
         # smaller side, which changes neither scores nor outputs.

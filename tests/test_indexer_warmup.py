@@ -1,0 +1,54 @@
+"""DSA's dense warm-up of the lightning indexer (training/indexer_warmup.py)."""
+import torch
+
+import glm5_ops
+from training.indexer_warmup import (attention_inputs, byte_glm5, head_qkv, indexer_kl, indexer_log_probs,
+                                     pretrain, warm_up_indexer)
+from training.train import load_corpus
+
+SEQ = 64
+
+
+def _trained_model():
+    data = load_corpus(1 << 20)
+    model = byte_glm5(SEQ)
+    pretrain(model, data, steps=10, seq_len=SEQ, batch_size=2)
+    return model, data
+
+
+def test_training_scores_rank_keys_as_indexer_topk():
+    """The differentiable scores the warm-up trains order the keys exactly as
+    the indexer_topk kernel the model selects with."""
+    model, data = _trained_model()
+    ids = data[None, :SEQ].long()
+    for attn, x, cos, sin in attention_inputs(model, ids):
+        q_resid = head_qkv(attn, x, cos, sin)[3]
+        with torch.no_grad():
+            logp = indexer_log_probs(attn, x, q_resid, cos, sin)
+            qi, wi = attn.indexer.query(x, q_resid, cos, sin)
+            chosen = glm5_ops.indexer_topk(qi, wi, attn.indexer.key(x, cos, sin), 8)
+        for s in range(8, SEQ):   # queries that see more keys than they keep
+            keys = chosen[0, s].long()
+            # keys tied at the k-th score (relu zeros) may be chosen either way
+            kth = logp[0, s].topk(8).values[-1]
+            assert len(set(keys.tolist())) == 8 and (keys <= s).all(), (attn.layer_idx, s)
+            assert (logp[0, s, keys] >= kth - 1e-5).all(), (attn.layer_idx, s)
+
+
+def test_warm_up_lowers_the_kl_and_trains_only_the_indexer():
+    model, data = _trained_model()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." not in n}
+    ids = data[None, -SEQ:].long()                        # not a training window's start
+
+    def kl():
+        with torch.no_grad():
+            layers = attention_inputs(model, ids)
+            return sum(indexer_kl(attn, x, cos, sin).item() for attn, x, cos, sin in layers) / len(layers)
+
+    before = kl()
+    losses = warm_up_indexer(model, data, steps=40, seq_len=SEQ, batch_size=2, lr=1e-2)
+    after = kl()
+    assert after < 0.7 * before, (before, after, losses[::10])
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, frozen[n]), f"{n} changed during the indexer warm-up"

@@ -1,0 +1,146 @@
+"""DSA's dense warm-up of GLM-5's lightning indexer, and a byte-level GLM-5 to
+run it on.
+
+The LM loss never trains the indexer: its top-k is not differentiable (and
+transformers runs it under no_grad). DeepSeek-V3.2, whose DSA GLM-5 adopts,
+trains it first in a dense warm-up: the model attends to every key, all its
+weights are frozen, and each layer's indexer learns to match the main
+attention by the KL divergence from the attention distribution (summed over
+heads, L1-normalised) to the softmax of the indexer's scores. Only after
+that is its top-k a selection worth using.
+
+    model = byte_glm5(seq_len=1024)
+    pretrain(model, data, steps=300, seq_len=1024)         # dense attention, LM loss
+    warm_up_indexer(model, data, steps=100, seq_len=1024)  # indexer only, KL loss
+
+bench/attention_recall.py --source glm5 measures how much attention the
+indexer's selection keeps before and after the warm-up.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from models.glm5 import GLM5ForCausalLM
+from models.glm5.config import preset
+from training.train import batch
+
+
+def byte_glm5(seq_len: int, seed: int = 0) -> GLM5ForCausalLM:
+    """A GLM-5-architecture byte LM (MLA, DSA indexer, MoE after one dense
+    layer): the tiny preset widened to 128 and given 256 byte tokens."""
+    torch.manual_seed(seed)
+    config = preset("tiny").replace(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=1, topk_group=1, index_n_heads=4, index_head_dim=32, index_topk=seq_len,
+        max_position_embeddings=max(seq_len, 4096))
+    return GLM5ForCausalLM(config, attn="dense")
+
+
+def _log(name: str, step: int, steps: int, loss: float, t0: float) -> None:
+    if step % 50 == 0 or step == steps - 1:
+        print(f"  {name} step {step:4d}  loss {loss:.3f}  ({time.time() - t0:.0f} s)", flush=True)
+
+
+def pretrain(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_len: int, batch_size: int = 4,
+             lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Next-byte LM training with dense attention; returns the losses."""
+    model.attn = "dense"
+    model.train()
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if ".indexer." not in n], lr=lr)
+    losses, t0 = [], time.time()
+    for step in range(steps):
+        x, y = batch(data, batch_size, seq_len, gen)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        _log("pretrain", step, steps, losses[-1], t0)
+    return losses
+
+
+@torch.no_grad()
+def attention_inputs(model: GLM5ForCausalLM, ids: torch.Tensor) -> list[tuple]:
+    """(attention module, x, cos, sin) for every layer: what each MLA attention
+    received in a dense forward of ids."""
+    captured = []
+
+    def hook(module, args, _out):
+        x, ctx, _ = args
+        captured.append((module, x, ctx.cos, ctx.sin))
+
+    model.attn = "dense"
+    handles = [layer.self_attn.register_forward_hook(hook) for layer in model.model.layers]
+    try:
+        model.eval()(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def head_qkv(attn, x, cos, sin):
+    """The layer's per-head q [B,S,H,nope+rope], k, v and its q_resid."""
+    q_nope, q_rot, q_resid, kv = attn.project(x, cos, sin)
+    return (*attn.expand(q_nope, q_rot, kv), q_resid)
+
+
+def causal_log_probs(scores: torch.Tensor) -> torch.Tensor:
+    """log softmax over keys of [..., S, T] scores with future keys masked."""
+    S, T = scores.shape[-2:]
+    future = torch.ones(S, T, dtype=torch.bool, device=scores.device).triu(T - S + 1)
+    return scores.masked_fill(future, float("-inf")).log_softmax(-1)
+
+
+def attention_distribution(q, k, scale: float) -> torch.Tensor:
+    """[B,S,T]: the main attention's probabilities summed over heads, L1-normalised."""
+    p = causal_log_probs(torch.einsum("bshd,bthd->bhst", q, k) * scale).exp()
+    return p.mean(1)
+
+
+def indexer_log_probs(attn, x, q_resid, cos, sin) -> torch.Tensor:
+    """[B,S,T] log softmax of the indexer's scores sum_h w_h relu(q_h . k)
+    (differentiable: the training form of what indexer_topk ranks)."""
+    qi, wi = attn.indexer.query(x, q_resid, cos, sin)
+    ki = attn.indexer.key(x, cos, sin)
+    scores = torch.einsum("bsh,bsht->bst", wi, torch.einsum("bshd,btd->bsht", qi, ki).relu())
+    return causal_log_probs(scores)
+
+
+def indexer_kl(attn, x, cos, sin) -> torch.Tensor:
+    """KL(attention || indexer), averaged over queries: DSA's warm-up loss."""
+    with torch.no_grad():
+        q, k, _, q_resid = head_qkv(attn, x, cos, sin)
+        target = attention_distribution(q, k, attn.scale)
+    logp = indexer_log_probs(attn, x, q_resid, cos, sin)
+    # 0 * log 0 = 0 and logp = -inf only where target = 0 (future keys)
+    return (target * (target.clamp_min(1e-30).log() - logp.clamp_min(-1e30))).sum(-1).mean()
+
+
+def warm_up_indexer(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_len: int, batch_size: int = 4,
+                    lr: float = 1e-3, seed: int = 1) -> list[float]:
+    """Trains every layer's indexer (only) by indexer_kl; returns the mean KL per step."""
+    indexers = [layer.self_attn.indexer for layer in model.model.layers if layer.self_attn.indexer is not None]
+    if not indexers:
+        raise ValueError("the model has no indexer to warm up (every layer is 'shared')")
+    params = [p for ix in indexers for p in ix.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    losses, t0 = [], time.time()
+    for step in range(steps):
+        x, _ = batch(data, batch_size, seq_len, gen)
+        layers = [c for c in attention_inputs(model, x) if c[0].indexer is not None]
+        with torch.enable_grad():
+            loss = sum(indexer_kl(attn, h, cos, sin) for attn, h, cos, sin in layers) / len(layers)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        _log("indexer warm-up (KL)", step, steps, losses[-1], t0)
+    return losses
