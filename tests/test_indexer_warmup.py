@@ -12,7 +12,7 @@ SEQ = 64
 def _trained_model():
     data = load_corpus(1 << 20)
     model = byte_glm5(SEQ)
-    pretrain(model, data, steps=10, seq_len=SEQ, batch_size=2)
+    pretrain(model, data, steps=40, seq_len=SEQ)          # enough for attention to be peaked
     return model, data
 
 
@@ -46,9 +46,9 @@ def test_warm_up_lowers_the_kl_and_trains_only_the_indexer():
             return sum(indexer_kl(attn, x, cos, sin).item() for attn, x, cos, sin in layers) / len(layers)
 
     before = kl()
-    losses = warm_up_indexer(model, data, steps=40, seq_len=SEQ, batch_size=2, lr=1e-2)
+    losses = warm_up_indexer(model, data, steps=60, seq_len=SEQ, lr=1e-2)
     after = kl()
-    assert after < 0.7 * before, (before, after, losses[::10])
+    assert after < 0.5 * before, (before, after, losses[::10])   # measured: 0.144 -> 0.017
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), f"{n} changed during the indexer warm-up"
