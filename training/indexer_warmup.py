@@ -41,9 +41,21 @@ def byte_glm5(seq_len: int, seed: int = 0) -> GLM5ForCausalLM:
     return GLM5ForCausalLM(config, attn="dense")
 
 
-def _log(name: str, step: int, steps: int, loss: float, t0: float) -> None:
-    if step % 50 == 0 or step == steps - 1:
-        print(f"  {name} step {step:4d}  loss {loss:.3f}  ({time.time() - t0:.0f} s)", flush=True)
+def _train(name: str, params, loss_of, data: torch.Tensor, *, steps: int, seq_len: int, batch_size: int,
+           lr: float, seed: int) -> list[float]:
+    """AdamW on params over `steps` random batches; loss_of(x, y) -> scalar. Returns the losses."""
+    opt = torch.optim.AdamW(params, lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    losses, t0 = [], time.time()
+    for step in range(steps):
+        loss = loss_of(*batch(data, batch_size, seq_len, gen))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  {name} step {step:4d}  loss {losses[-1]:.3f}  ({time.time() - t0:.0f} s)", flush=True)
+    return losses
 
 
 def pretrain(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_len: int, batch_size: int = 4,
@@ -51,18 +63,9 @@ def pretrain(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_len:
     """Next-byte LM training with dense attention; returns the losses."""
     model.attn = "dense"
     model.train()
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if ".indexer." not in n], lr=lr)
-    losses, t0 = [], time.time()
-    for step in range(steps):
-        x, y = batch(data, batch_size, seq_len, gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        _log("pretrain", step, steps, losses[-1], t0)
-    return losses
+    params = [p for n, p in model.named_parameters() if ".indexer." not in n]
+    return _train("pretrain", params, lambda x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten()), data,
+                  steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed)
 
 
 @torch.no_grad()
@@ -130,17 +133,10 @@ def warm_up_indexer(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, s
     if not indexers:
         raise ValueError("the model has no indexer to warm up (every layer is 'shared')")
     params = [p for ix in indexers for p in ix.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    losses, t0 = [], time.time()
-    for step in range(steps):
-        x, _ = batch(data, batch_size, seq_len, gen)
+
+    def mean_kl(x, _):
         layers = [c for c in attention_inputs(model, x) if c[0].indexer is not None]
-        with torch.enable_grad():
-            loss = sum(indexer_kl(attn, h, cos, sin) for attn, h, cos, sin in layers) / len(layers)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        _log("indexer warm-up (KL)", step, steps, losses[-1], t0)
-    return losses
+        return sum(indexer_kl(attn, h, cos, sin) for attn, h, cos, sin in layers) / len(layers)
+
+    return _train("indexer warm-up (KL)", params, mean_kl, data, steps=steps, seq_len=seq_len,
+                  batch_size=batch_size, lr=lr, seed=seed)
