@@ -117,8 +117,10 @@ def glm5_inputs(S: int, steps: int, warmup_steps: int, seed: int = 0):
     """Per layer of a GLM-5-architecture byte LM (training/indexer_warmup.py)
     pretrained `steps` steps at seq_len S with dense attention: (q, k, v) per
     head on a held-out sequence, its scale, and its own indexer's top-k before
-    and after DSA's dense warm-up (`warmup_steps` steps of KL to the attention)."""
-    from training.indexer_warmup import attention_inputs, byte_glm5, head_qkv, pretrain, warm_up_indexer
+    and after DSA's dense warm-up (`warmup_steps` steps of KL to the attention);
+    and the held-out next-byte loss with dense, block-sparse and DSA attention."""
+    from training.indexer_warmup import (attention_inputs, byte_glm5, head_qkv, held_out_loss, pretrain,
+                                         warm_up_indexer)
     from training.train import load_corpus
 
     corpus = load_corpus(9 << 20)
@@ -133,9 +135,15 @@ def glm5_inputs(S: int, steps: int, warmup_steps: int, seed: int = 0):
         return [(attn.indexer.query(x, q_resid, cos, sin), attn.indexer.key(x, cos, sin))
                 for attn, _, _, _, q_resid, x, cos, sin in layers]
 
+    rows = held_out[:4 * (S + 1)].long().view(4, S + 1)   # 4 held-out windows for the loss
+    losses = [("dense", "100%", held_out_loss(model, rows, "dense"))]
+    losses += [("block_sparse (mean pooling, 16-token blocks)", f"{d:.0%}", held_out_loss(model, rows, "block_sparse", d))
+               for d in DENSITIES[1:]]
+    losses += [("dsa, untrained indexer", f"{d:.0%}", held_out_loss(model, rows, "dsa", d)) for d in DENSITIES]
     before = indexer_inputs()
     warm_up_indexer(model, train, steps=warmup_steps, seq_len=S, seed=seed + 1)
     after = indexer_inputs()
+    losses += [("dsa, indexer after warm-up", f"{d:.0%}", held_out_loss(model, rows, "dsa", d)) for d in DENSITIES]
     out = []
     for (attn, q, k, v, *_), ((qb, wb), kb), ((qa, wa), ka) in zip(layers, before, after):
         selections = {
@@ -143,7 +151,7 @@ def glm5_inputs(S: int, steps: int, warmup_steps: int, seed: int = 0):
             "GLM-5 indexer, after warm-up": lambda topk, qi=qa, wi=wa, ki=ka: glm5_ops.indexer_topk(qi, wi, ki, topk),
         }
         out.append((q, k, v, attn.scale, selections))
-    return out
+    return out, losses
 
 
 def rows_for(name: str, q, k, v, scale: float | None = None, selectors: dict | None = None):
@@ -189,8 +197,12 @@ def main(argv=None):
     if args.source == "glm5":
         print(f"training a byte-level GLM-5 at seq_len {args.seq} for {args.steps} steps, then warming up "
               f"its indexer for {args.warmup_steps} ...", flush=True)
-        for i, (q, k, v, scale, selectors) in enumerate(glm5_inputs(args.seq, args.steps, args.warmup_steps)):
+        layers, losses = glm5_inputs(args.seq, args.steps, args.warmup_steps)
+        for i, (q, k, v, scale, selectors) in enumerate(layers):
             rows += rows_for(f"glm5 layer {i}", q, k, v, scale, selectors)
+        print("\n| attention | density | held-out loss (nats/byte) |\n|---|---|---|")
+        for name, dens, loss in losses:
+            print(f"| {name} | {dens} | {loss:.4f} |")
     print("\n| inputs | density | selection | mean recall | median rel err | output rel err |")
     print("|---|---|---|---|---|---|")
     for r in rows:

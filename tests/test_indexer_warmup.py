@@ -2,8 +2,8 @@
 import torch
 
 import glm5_ops
-from training.indexer_warmup import (attention_inputs, byte_glm5, head_qkv, indexer_kl, indexer_log_probs,
-                                     pretrain, warm_up_indexer)
+from training.indexer_warmup import (attention_inputs, byte_glm5, head_qkv, held_out_loss, indexer_kl,
+                                     indexer_log_probs, pretrain, warm_up_indexer)
 from training.train import load_corpus
 
 SEQ = 64
@@ -52,3 +52,15 @@ def test_warm_up_lowers_the_kl_and_trains_only_the_indexer():
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(p, frozen[n]), f"{n} changed during the indexer warm-up"
+
+
+def test_held_out_loss_switches_attention_and_restores_the_model():
+    """DSA that keeps every key is dense attention; keeping 8 of 64 changes the
+    loss; the model's mode, index_topk and block size come back afterwards."""
+    model, data = _trained_model()
+    rows = data[:2 * (SEQ + 1)].long().view(2, SEQ + 1)
+    saved = model.attn, model.config.index_topk, model.block_size
+    dense = held_out_loss(model, rows, "dense")
+    assert abs(held_out_loss(model, rows, "dsa", 1.0) - dense) < 1e-5
+    assert abs(held_out_loss(model, rows, "dsa", 0.125) - dense) > 1e-4
+    assert (model.attn, model.config.index_topk, model.block_size) == saved

@@ -88,6 +88,23 @@ def attention_inputs(model: GLM5ForCausalLM, ids: torch.Tensor) -> list[tuple]:
     return captured
 
 
+@torch.no_grad()
+def held_out_loss(model: GLM5ForCausalLM, rows: torch.Tensor, attn: str, density: float | None = None) -> float:
+    """Next-byte loss (nats) over rows [B, S+1] with the model attending in mode
+    `attn`; for "dsa" and "block_sparse", to `density` of the S keys (index_topk;
+    block_sparse in 16-token blocks: sink + local + chosen ~ index_topk keys)."""
+    S = rows.shape[1] - 1
+    saved = model.attn, model.config.index_topk, model.block_size
+    model.attn = attn
+    if density is not None:
+        model.config.index_topk, model.block_size = max(1, round(density * S)), 16
+    try:
+        logits = model.eval()(rows[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
+    finally:
+        model.attn, model.config.index_topk, model.block_size = saved
+
+
 def head_qkv(attn, x, cos, sin):
     """The layer's per-head q [B,S,H,nope+rope], k, v and its q_resid."""
     q_nope, q_rot, q_resid, kv = attn.project(x, cos, sin)
