@@ -26,6 +26,7 @@ Prints a markdown table; results go to bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import sys
@@ -113,14 +114,15 @@ def oracle_selection(q, k, topk: int, scale: float):
     return glm5_ops.topk_indices(probs.masked_fill(~causal, float("-inf")), topk)
 
 
-def glm5_inputs(S: int, steps: int, warmup_steps: int, seed: int = 0):
+def glm5_inputs(S: int, steps: int, warmup_steps: int, sparse_steps: int = 0, seed: int = 0):
     """Per layer of a GLM-5-architecture byte LM (training/indexer_warmup.py)
     pretrained `steps` steps at seq_len S with dense attention: (q, k, v) per
     head on a held-out sequence, its scale, and its own indexer's top-k before
     and after DSA's dense warm-up (`warmup_steps` steps of KL to the attention);
-    and the held-out next-byte loss with dense, block-sparse and DSA attention."""
+    and the held-out next-byte loss with dense, block-sparse and DSA attention,
+    also after `sparse_steps` steps of training under DSA at 5% (the second stage)."""
     from training.indexer_warmup import (attention_inputs, byte_glm5, head_qkv, held_out_loss, pretrain,
-                                         warm_up_indexer)
+                                         sparse_train, warm_up_indexer)
     from training.train import load_corpus
 
     corpus = load_corpus(9 << 20)
@@ -128,7 +130,8 @@ def glm5_inputs(S: int, steps: int, warmup_steps: int, seed: int = 0):
     model = byte_glm5(S, seed)
     pretrain(model, train, steps=steps, seq_len=S, seed=seed)
     ids = held_out[None, :S].long()
-    layers = [(attn, *head_qkv(attn, x, cos, sin), x, cos, sin) for attn, x, cos, sin in attention_inputs(model, ids)]
+    with torch.no_grad():
+        layers = [(attn, *head_qkv(attn, x, cos, sin), x, cos, sin) for attn, x, cos, sin in attention_inputs(model, ids)]
 
     @torch.no_grad()
     def indexer_inputs():
@@ -144,6 +147,14 @@ def glm5_inputs(S: int, steps: int, warmup_steps: int, seed: int = 0):
     warm_up_indexer(model, train, steps=warmup_steps, seq_len=S, seed=seed + 1)
     after = indexer_inputs()
     losses += [("dsa, indexer after warm-up", f"{d:.0%}", held_out_loss(model, rows, "dsa", d)) for d in DENSITIES]
+    if sparse_steps:   # the second stage, against the same steps of dense training (same batches and lr)
+        control = copy.deepcopy(model)
+        pretrain(control, train, steps=sparse_steps, seq_len=S, lr=1e-3, seed=seed + 2)
+        sparse_train(model, train, steps=sparse_steps, seq_len=S, density=0.05, lr=1e-3, seed=seed + 2)
+        for how, m in (("dense", control), ("under dsa at 5%", model)):
+            losses.append((f"+{sparse_steps} steps {how}: dense attention", "100%", held_out_loss(m, rows, "dense")))
+            losses += [(f"+{sparse_steps} steps {how}: dsa", f"{d:.0%}", held_out_loss(m, rows, "dsa", d))
+                       for d in DENSITIES[1:]]
     out = []
     for (attn, q, k, v, *_), ((qb, wb), kb), ((qa, wa), ka) in zip(layers, before, after):
         selections = {
@@ -185,6 +196,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=300, help="byte LM / byte GLM-5 training steps")
     ap.add_argument("--warmup-steps", type=int, default=100, help="glm5: indexer warm-up steps (KL)")
+    ap.add_argument("--sparse-steps", type=int, default=100,
+                    help="glm5: then steps of training under DSA at 5%% (0: skip)")
     args = ap.parse_args(argv)
     rows = []
     if args.source in ("structured", "both"):
@@ -197,7 +210,7 @@ def main(argv=None):
     if args.source == "glm5":
         print(f"training a byte-level GLM-5 at seq_len {args.seq} for {args.steps} steps, then warming up "
               f"its indexer for {args.warmup_steps} ...", flush=True)
-        layers, losses = glm5_inputs(args.seq, args.steps, args.warmup_steps)
+        layers, losses = glm5_inputs(args.seq, args.steps, args.warmup_steps, args.sparse_steps)
         for i, (q, k, v, scale, selectors) in enumerate(layers):
             rows += rows_for(f"glm5 layer {i}", q, k, v, scale, selectors)
         print("\n| attention | density | held-out loss (nats/byte) |\n|---|---|---|")

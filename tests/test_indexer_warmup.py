@@ -3,7 +3,7 @@ import torch
 
 import glm5_ops
 from training.indexer_warmup import (attention_inputs, byte_glm5, head_qkv, held_out_loss, indexer_kl,
-                                     indexer_log_probs, pretrain, warm_up_indexer)
+                                     indexer_log_probs, pretrain, sparse_train, warm_up_indexer)
 from training.train import load_corpus
 
 SEQ = 64
@@ -64,3 +64,21 @@ def test_held_out_loss_switches_attention_and_restores_the_model():
     assert abs(held_out_loss(model, rows, "dsa", 1.0) - dense) < 1e-5
     assert abs(held_out_loss(model, rows, "dsa", 0.125) - dense) > 1e-4
     assert (model.attn, model.config.index_topk, model.block_size) == saved
+
+
+def test_sparse_training_reaches_attention_through_the_sparse_kernels():
+    """DSA's second stage: under dsa attention (8 of 64 keys) the LM gradient
+    reaches every layer's q and kv projections, whose only path to the loss is
+    sparse_attention's backward; the indexer stays as it was."""
+    model, data = _trained_model()
+    indexer = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." in n}
+    sparse_train(model, data, steps=3, seq_len=SEQ, density=0.125)
+    assert model.attn == "dsa" and model.config.index_topk == 8
+    for n, p in model.named_parameters():
+        if n in indexer:
+            assert torch.equal(p, indexer[n]), f"{n} trained in the sparse stage"
+    x = data[None, :SEQ].long()
+    torch.nn.functional.cross_entropy(model(x)[0, :-1], x[0, 1:]).backward()
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_a_proj, layer.self_attn.kv_a_proj_with_mqa):
+            assert proj.weight.grad is not None and proj.weight.grad.abs().sum() > 0, layer.self_attn.layer_idx

@@ -1,5 +1,5 @@
-"""DSA's dense warm-up of GLM-5's lightning indexer, and a byte-level GLM-5 to
-run it on.
+"""DSA's dense warm-up of GLM-5's lightning indexer, the sparse training stage
+after it, and a byte-level GLM-5 to run them on.
 
 The LM loss never trains the indexer: its top-k is not differentiable (and
 transformers runs it under no_grad). DeepSeek-V3.2, whose DSA GLM-5 adopts,
@@ -12,9 +12,11 @@ that is its top-k a selection worth using.
     model = byte_glm5(seq_len=1024)
     pretrain(model, data, steps=300, seq_len=1024)         # dense attention, LM loss
     warm_up_indexer(model, data, steps=100, seq_len=1024)  # indexer only, KL loss
+    sparse_train(model, data, steps=100, seq_len=1024, density=0.05)  # the rest, under DSA
 
 bench/attention_recall.py --source glm5 measures how much attention the
-indexer's selection keeps before and after the warm-up.
+indexer's selection keeps before and after the warm-up, and the held-out loss
+of each stage with dense, block-sparse and DSA attention.
 """
 from __future__ import annotations
 
@@ -58,14 +60,31 @@ def _train(name: str, params, loss_of, data: torch.Tensor, *, steps: int, seq_le
     return losses
 
 
+def _train_lm(name: str, model: GLM5ForCausalLM, data: torch.Tensor, **kw) -> list[float]:
+    """Next-byte LM loss on every parameter but the indexers' (the LM loss never reaches them)."""
+    model.train()
+    params = [p for n, p in model.named_parameters() if ".indexer." not in n]
+    return _train(name, params, lambda x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten()), data, **kw)
+
+
 def pretrain(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_len: int, batch_size: int = 4,
              lr: float = 3e-3, seed: int = 0) -> list[float]:
     """Next-byte LM training with dense attention; returns the losses."""
     model.attn = "dense"
-    model.train()
-    params = [p for n, p in model.named_parameters() if ".indexer." not in n]
-    return _train("pretrain", params, lambda x, y: F.cross_entropy(model(x).flatten(0, 1), y.flatten()), data,
-                  steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed)
+    return _train_lm("pretrain", model, data, steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed)
+
+
+def sparse_train(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_len: int, density: float,
+                 batch_size: int = 4, lr: float = 1e-3, seed: int = 2) -> list[float]:
+    """DSA's second stage, simplified: the model trains under its own sparse
+    attention, each query attending to the index_topk = density x seq_len keys
+    its indexer chooses (gradients through the sparse_attention kernels), with
+    the indexer frozen (DeepSeek-V3.2 keeps training it by KL over the chosen
+    keys). Leaves the model in dsa mode at that index_topk."""
+    model.attn = "dsa"
+    model.config.index_topk = max(1, round(density * seq_len))
+    return _train_lm("sparse training (dsa)", model, data, steps=steps, seq_len=seq_len, batch_size=batch_size,
+                     lr=lr, seed=seed)
 
 
 @torch.no_grad()
