@@ -107,10 +107,11 @@ def oracle_selection(q, k, topk: int, scale: float):
     selection shared by all heads (as DSA's is), an upper bound for any
     token-level predictor. (Ranking by the heads' summed scores instead, as
     an earlier version did, is not: warmed-up indexers beat it.)"""
+    from training.indexer_warmup import attention_distribution
+
     S, T = q.shape[1], k.shape[1]
     causal = torch.ones(S, T, dtype=torch.bool).tril(T - S)
-    scores = torch.einsum("bshd,bthd->bhst", q, k) * scale
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).mean(1)
+    probs = attention_distribution(q, k, scale)   # what the warm-up teaches the indexer
     return glm5_ops.topk_indices(probs.masked_fill(~causal, float("-inf")), topk)
 
 

@@ -10,7 +10,7 @@ heads, L1-normalised) to the softmax of the indexer's scores. Only after
 that is its top-k a selection worth using.
 
     model = byte_glm5(seq_len=1024)
-    pretrain(model, data, steps=300, seq_len=1024)         # dense attention, LM loss
+    pretrain(model, data, steps=400, seq_len=1024)         # dense attention, LM loss
     warm_up_indexer(model, data, steps=100, seq_len=1024)  # indexer only, KL loss
     sparse_train(model, data, steps=100, seq_len=1024, density=0.05)  # the rest, under DSA
 
