@@ -68,8 +68,8 @@ struct Scratch {
 
   // G rows of D values (row stride D) into buf, scaled, in this layout.
   void load_rows(const float* src, int64_t D, float scale, std::vector<float>& buf) const {
-    for (int64_t h = 0; h < lay.G; ++h)
-      for (int64_t d = 0; d < D; ++d) buf[lay.by_key ? d * lay.Gp + h : h * D + d] = src[h * D + d] * scale;
+    if (lay.by_key) return tiles::transpose_rows(src, D, lay.G, D, scale, lay.Gp, buf.data());
+    for (int64_t i = 0; i < lay.G * D; ++i) buf[i] = src[i] * scale;
   }
   // scores[h, j] = sum_d A[h, d] * rows[j][d] for the tile's nt keys.
   void scores(const std::vector<float>& A, const float* const* rows, int64_t nt, int64_t D, float* out) const {
