@@ -78,6 +78,11 @@ def test_cpp_ops_guard_direct_calls():
         ops.indexer_topk(q, w[:, :3], k, 3, True, None)
     with pytest.raises(RuntimeError, match=r"scores must be fp32, fp16 or bf16"):
         ops.topk_indices(torch.arange(10, device=DEVICE), 2, False)
+    if DEVICE.type == "cpu":  # the CPU kernel buckets keys by position: it must refuse any past T
+        qa, ka = fresh(1, 4, 16, 64), fresh(1, 10, 1, 64)
+        idx = torch.tensor([[[0, 1, 12]] * 4], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match=r"key positions in \[0, T=10\), got 12"):
+            ops.sparse_attention_fwd(qa, ka, ka, idx, 0.125, False, None)
 
 
 def test_missing_kernel_is_not_implemented():

@@ -1,6 +1,6 @@
 // Token-level sparse attention (DSA) on the CPU, forward and backward.
 //
-// One work item is one query (b, s) with all its heads: its selected keys are
+// One query (b, s) is processed with all its heads: its selected keys are
 // filtered once (-1 and causally future slots dropped), then for each kv head
 // g the G = Hq/Hkv query heads that read it form the M rows of every product,
 // so each selected key row is fetched once and serves all G heads (FlashMLA's
@@ -9,7 +9,11 @@
 // O += P V, all in fp32 through the register-blocked kernels of
 // attention_tiles.h, which read k and v rows in place (no gather copy for
 // fp32; v may alias k, as in MLA's absorbed form). Nothing of size T per
-// query exists: scratch is O(G * kTile + G * D) per worker.
+// query exists: scratch is O(G * kTile + G * D) per query of a work item.
+// The forward's work item is a block of queries that sweep their selected
+// keys together, chunk of positions by chunk (KeyBlocking), so rows chosen by
+// several queries of the block are fetched from L3 once; the backward's is one
+// query.
 //
 // Backward recomputes P from the saved lse (FlashAttention-2):
 //   dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K,
@@ -29,11 +33,14 @@ namespace {
 
 constexpr int64_t kTile = 64;  // selected keys per tile
 
-// The contributing key positions of query (b, s), in slot order.
-int64_t visible_keys(const int32_t* slots, int64_t topk, bool causal, int64_t pos, int32_t* keys) {
+// The contributing key positions of query (b, s), in slot order. Positions
+// past T are refused here too (the Python API checks them first): a raw
+// torch.ops call must not read, or bucket, outside k.
+int64_t visible_keys(const int32_t* slots, int64_t topk, bool causal, int64_t pos, int64_t T, int32_t* keys) {
   int64_t n = 0;
   for (int64_t j = 0; j < topk; ++j) {
     const int32_t t = slots[j];
+    TORCH_CHECK(t < T, "indices entries must be -1 or key positions in [0, T=", T, "), got ", t);
     if (t >= 0 && (!causal || t <= pos)) keys[n++] = t;
   }
   return n;
@@ -215,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
     const Layout& L = sc.lay;
     for (int64_t i = 0; i < nq; ++i) {  // each query's visible keys, grouped by chunk (counting sort)
       int32_t* keys = sc.keys.data() + i * topk;
-      const int64_t n = visible_keys(idx + (b * in.S + s0 + i) * topk, topk, causal, in.q_start[b] + s0 + i,
+      const int64_t n = visible_keys(idx + (b * in.S + s0 + i) * topk, topk, causal, in.q_start[b] + s0 + i, in.T,
                                      sc.unsorted.data());
       kb.group(sc.unsorted.data(), n, keys, sc.bounds.data() + i * (C + 1), sc.cursor.data());
     }
@@ -234,8 +241,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
           for (int64_t t0 = 0; t0 < n; t0 += kTile) {
             const int64_t nt = std::min(kTile, n - t0);
             // One chunk: each row comes from L3, prefetched a tile ahead. Chunked,
-            // most rows are L2 hits (fetched by an earlier query of the block)
-            // and prefetching every one cost more than it hid (measured: -4%).
+            // most rows are L2 hits (fetched by an earlier query of the block),
+            // and prefetching every one cost more than it hid (~4% slower).
             if (C == 1)
               set_tile(in, b, g, keys, t0, nt, n, sc);
             else
@@ -284,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
   };
   parallel_dynamic(in.B * in.S, [&] { return BwdScratch(in, topk, grads); }, [&](int64_t item, BwdScratch& sc) {
     const int64_t b = item / in.S, s = item % in.S;
-    const int64_t n = visible_keys(idx + item * topk, topk, causal, in.q_start[b] + s, sc.keys.data());
+    const int64_t n = visible_keys(idx + item * topk, topk, causal, in.q_start[b] + s, in.T, sc.keys.data());
     const Layout& L = sc.lay;
     for (int64_t g = 0; g < in.Hkv; ++g) {
       const int64_t row0 = item * in.Hq + g * G;  // (b, s, head g*G)
