@@ -143,13 +143,12 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd_cpu(
         mask_future(sc.s.data(), Mp, nt, t0, first);
       }
       tiles::online_softmax_cols(sc.s.data(), Mp, nt, Mp, sc.m.data(), sc.l.data(), sc.alpha.data(), diagonal);
-      for (int64_t r = 0; r < M; ++r)
-        if (sc.alpha[r] != 1.f)
-          for (int64_t d = 0; d < Dv; ++d) sc.o[r * Dv + d] *= sc.alpha[r];
+      // O = alpha * O + P V. Rows that see no key of the tile (N = 0) have alpha = 1 (or O = 0).
       const int64_t rows = diagonal ? tiles::W : M;  // p = 0 exactly past keys_seen: skipped
       for (int64_t r = 0; r < M; r += rows) {
         const int64_t n = std::min(rows, M - r), N = diagonal ? keys_seen(off, r + n, nt) : nt;
-        if (N > 0) tiles::gather(sc.s.data() + r, 1, Mp, n, sc.vrows.data(), N, Dv, sc.o.data() + r * Dv, Dv);
+        if (N > 0)
+          tiles::gather(sc.s.data() + r, 1, Mp, n, sc.vrows.data(), N, Dv, sc.o.data() + r * Dv, Dv, sc.alpha.data() + r);
       }
     });
     for (int64_t r = 0; r < M; ++r) {

@@ -151,19 +151,19 @@ void set_tile(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* ke
   set_rows(in, b, g, keys + t0, nt, keys + t0 + nt, n - t0 - nt, sc);
 }
 
-// Online softmax of the tile (p written over sc.s) into the running max m,
-// sum l and output rows o of one query's heads.
-void softmax_tile(Scratch& sc, int64_t nt, int64_t Dv, float* o, float* m, float* l) {
+// One tile of the online softmax for one query's heads: p written over sc.s,
+// the running max m and sum l updated, and O = alpha * O + P V into o.
+void attend_tile(Scratch& sc, int64_t nt, int64_t Dv, float* o, float* m, float* l) {
   const Layout& L = sc.lay;
+  const float* alpha = nullptr;  // by_key: the rescaling rides on gather's load of O
   if (L.by_key) {
     // Token-level tiles hold visible keys only: no -inf scores.
     tiles::online_softmax_cols(sc.s.data(), L.Gp, nt, L.Gp, m, l, sc.alpha.data(), false);
-    for (int64_t h = 0; h < L.G; ++h)
-      if (sc.alpha[h] != 1.f)
-        for (int64_t d = 0; d < Dv; ++d) o[h * Dv + d] *= sc.alpha[h];
+    alpha = sc.alpha.data();
   } else {
     for (int64_t h = 0; h < L.G; ++h) tiles::online_softmax_row(sc.s.data() + h * kTile, nt, m[h], l[h], o + h * Dv, Dv);
   }
+  tiles::gather(sc.s.data(), L.wi(), L.wj(), L.G, sc.vrows.data(), nt, Dv, o, Dv, alpha);
 }
 
 // Backward of the softmax on one tile: p = exp(s - lse) over sc.s and
@@ -248,8 +248,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
             else
               set_rows(in, b, g, keys + t0, nt, nullptr, 0, sc);
             sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
-            softmax_tile(sc, nt, Dv, o, m, l);
-            tiles::gather(sc.s.data(), L.wi(), L.wj(), G, sc.vrows.data(), nt, Dv, o, Dv);
+            attend_tile(sc, nt, Dv, o, m, l);
           }
         }
       for (int64_t i = 0; i < nq; ++i)
