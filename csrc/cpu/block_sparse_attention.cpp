@@ -142,7 +142,12 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd_cpu(
         }
         mask_future(sc.s.data(), Mp, nt, t0, first);
       }
-      tiles::online_softmax_cols(sc.s.data(), Mp, nt, Mp, sc.m.data(), sc.l.data(), sc.alpha.data(), diagonal);
+      if (!diagonal)
+        tiles::online_softmax_cols(sc.s.data(), Mp, nt, Mp, sc.m.data(), sc.l.data(), sc.alpha.data(), false);
+      else  // each vector of queries over the keys it can see (the rest are -inf, p = 0, never read)
+        for (int64_t r = 0; r < Mp; r += tiles::W)
+          tiles::online_softmax_cols(sc.s.data() + r, Mp, keys_seen(off, r + tiles::W, nt), tiles::W, sc.m.data() + r,
+                                     sc.l.data() + r, sc.alpha.data() + r, true);
       // O = alpha * O + P V. Rows that see no key of the tile (N = 0) have alpha = 1 (or O = 0).
       const int64_t rows = diagonal ? tiles::W : M;  // p = 0 exactly past keys_seen: skipped
       for (int64_t r = 0; r < M; r += rows) {
