@@ -151,6 +151,43 @@ void set_tile(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* ke
   set_rows(in, b, g, keys + t0, nt, keys + t0 + nt, n - t0 - nt, sc);
 }
 
+// The visible keys of queries s0 .. s0 + nq of batch b, each query's grouped
+// by chunk: sc.keys[i * topk + ...], chunk c at [bounds[i][c], bounds[i][c + 1]).
+void group_block_keys(const AttentionInputs& in, const KeyBlocking& kb, const int32_t* idx, int64_t topk, bool causal,
+                      int64_t b, int64_t s0, int64_t nq, Scratch& sc) {
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t n = visible_keys(idx + (b * in.S + s0 + i) * topk, topk, causal, in.q_start[b] + s0 + i, in.T,
+                                   sc.unsorted.data());
+    kb.group(sc.unsorted.data(), n, sc.keys.data() + i * topk, sc.bounds.data() + i * (kb.chunks + 1),
+             sc.cursor.data());
+  }
+}
+
+// Calls run(i, keys, n) for each query i < nq of the block and its n > 0 keys
+// in each chunk, chunk by chunk: the sweep that keeps a chunk's rows in L2.
+template <typename Run>
+void sweep_chunks(const KeyBlocking& kb, const Scratch& sc, int64_t topk, int64_t nq, Run run) {
+  const int64_t C = kb.chunks;
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < nq; ++i) {
+      const int32_t* bounds = sc.bounds.data() + i * (C + 1);
+      const int64_t n = bounds[c + 1] - bounds[c];
+      if (n > 0) run(i, sc.keys.data() + i * topk + bounds[c], n);
+    }
+}
+
+// Points the tile's rows at keys[t0, t0 + nt) of a run of n: prefetching the
+// run's next tile from L3 when the sweep has one chunk, not when chunked (most
+// rows are then L2 hits, fetched by an earlier query of the block, and a
+// prefetch of each cost more than it hid: ~4% slower).
+void set_run_tile(const AttentionInputs& in, const KeyBlocking& kb, int64_t b, int64_t g, const int32_t* keys,
+                  int64_t t0, int64_t nt, int64_t n, Scratch& sc) {
+  if (kb.chunks == 1)
+    set_tile(in, b, g, keys, t0, nt, n, sc);
+  else
+    set_rows(in, b, g, keys + t0, nt, nullptr, 0, sc);
+}
+
 // One tile of the online softmax for one query's heads: p written over sc.s,
 // the running max m and sum l updated, and O = alpha * O + P V into o.
 void attend_tile(Scratch& sc, int64_t nt, int64_t Dv, float* o, float* m, float* l) {
@@ -220,37 +257,21 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
   parallel_dynamic(in.B * n_blocks, [&] { return Scratch(in, topk * QB, QB, C); }, [&](int64_t item, Scratch& sc) {
     const int64_t b = item / n_blocks, s0 = item % n_blocks * QB, nq = std::min(QB, in.S - s0);
     const Layout& L = sc.lay;
-    for (int64_t i = 0; i < nq; ++i) {  // each query's visible keys, grouped by chunk (counting sort)
-      int32_t* keys = sc.keys.data() + i * topk;
-      const int64_t n = visible_keys(idx + (b * in.S + s0 + i) * topk, topk, causal, in.q_start[b] + s0 + i, in.T,
-                                     sc.unsorted.data());
-      kb.group(sc.unsorted.data(), n, keys, sc.bounds.data() + i * (C + 1), sc.cursor.data());
-    }
+    group_block_keys(in, kb, idx, topk, causal, b, s0, nq, sc);
     for (int64_t g = 0; g < in.Hkv; ++g) {
       std::fill(sc.o.begin(), sc.o.end(), 0.f);
       std::fill(sc.m.begin(), sc.m.end(), kNegInf);
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
-      for (int64_t c = 0; c < C; ++c)
-        for (int64_t i = 0; i < nq; ++i) {
-          const int32_t* bounds = sc.bounds.data() + i * (C + 1);
-          const int32_t* keys = sc.keys.data() + i * topk + bounds[c];
-          const int64_t n = bounds[c + 1] - bounds[c];
-          if (n == 0) continue;
-          float *o = sc.o.data() + i * G * Dv, *m = sc.m.data() + i * L.Gp, *l = sc.l.data() + i * L.Gp;
-          sc.load_rows(in.qrow(b, s0 + i, g * G), Dk, sc_f, sc.qs);
-          for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-            const int64_t nt = std::min(kTile, n - t0);
-            // One chunk: each row comes from L3, prefetched a tile ahead. Chunked,
-            // most rows are L2 hits (fetched by an earlier query of the block),
-            // and prefetching every one cost more than it hid (~4% slower).
-            if (C == 1)
-              set_tile(in, b, g, keys, t0, nt, n, sc);
-            else
-              set_rows(in, b, g, keys + t0, nt, nullptr, 0, sc);
-            sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
-            attend_tile(sc, nt, Dv, o, m, l);
-          }
+      sweep_chunks(kb, sc, topk, nq, [&](int64_t i, const int32_t* keys, int64_t n) {
+        float *o = sc.o.data() + i * G * Dv, *m = sc.m.data() + i * L.Gp, *l = sc.l.data() + i * L.Gp;
+        sc.load_rows(in.qrow(b, s0 + i, g * G), Dk, sc_f, sc.qs);
+        for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+          const int64_t nt = std::min(kTile, n - t0);
+          set_run_tile(in, kb, b, g, keys, t0, nt, n, sc);
+          sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
+          attend_tile(sc, nt, Dv, o, m, l);
         }
+      });
       for (int64_t i = 0; i < nq; ++i)
         for (int64_t h = 0; h < G; ++h) {
           const int64_t row = (b * in.S + s0 + i) * in.Hq + g * G + h;
@@ -280,47 +301,61 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
   const float* lp = lse_c.const_data_ptr<float>();
   float* dqp = dq.data_ptr<float>();
   const float sc_f = static_cast<float>(scale);
-  KVGradBuffers grads(in, in.B * in.S);
+  // The forward's key-range blocking (KeyBlocking): a block of queries sweeps
+  // its keys chunk by chunk, so the k/v rows it reads and the dK/dV rows it
+  // scatter-adds stay in L2 while the block's queries share them. dQ rows
+  // accumulate in place across chunks; m and l hold each query's lse and
+  // delta = rowsum(dO * O).
+  const KeyBlocking kb(in);
+  const int64_t QB = kb.queries, C = kb.chunks, n_blocks = (in.S + QB - 1) / QB;
+  KVGradBuffers grads(in, in.B * n_blocks);
 
   struct BwdScratch : Scratch {
     float *dk, *dv;
-    BwdScratch(const AttentionInputs& in, int64_t topk, KVGradBuffers& g) : Scratch(in, topk) {
+    BwdScratch(const AttentionInputs& in, int64_t topk, int64_t QB, int64_t C, KVGradBuffers& g)
+        : Scratch(in, topk * QB, QB, C) {
       std::tie(dk, dv) = g.claim();
     }
   };
-  parallel_dynamic(in.B * in.S, [&] { return BwdScratch(in, topk, grads); }, [&](int64_t item, BwdScratch& sc) {
-    const int64_t b = item / in.S, s = item % in.S;
-    const int64_t n = visible_keys(idx + item * topk, topk, causal, in.q_start[b] + s, in.T, sc.keys.data());
+  parallel_dynamic(in.B * n_blocks, [&] { return BwdScratch(in, topk, QB, C, grads); }, [&](int64_t item, BwdScratch& sc) {
+    const int64_t b = item / n_blocks, s0 = item % n_blocks * QB, nq = std::min(QB, in.S - s0);
     const Layout& L = sc.lay;
+    group_block_keys(in, kb, idx, topk, causal, b, s0, nq, sc);
     for (int64_t g = 0; g < in.Hkv; ++g) {
-      const int64_t row0 = item * in.Hq + g * G;  // (b, s, head g*G)
-      float* dqg = dqp + row0 * Dk;
-      std::fill(dqg, dqg + G * Dk, 0.f);
-      if (n == 0) continue;
-      const float* dog = dop + row0 * Dv;
-      sc.load_rows(in.qrow(b, s, g * G), Dk, sc_f, sc.qs);
-      sc.load_rows(dog, Dv, 1.f, sc.dot);
-      for (int64_t h = 0; h < G; ++h) {
-        sc.delta[h] = dot(dog + h * Dv, oo + (row0 + h) * Dv, Dv);
-        sc.lse[h] = lp[row0 + h];
-      }
-      for (int64_t t0 = 0; t0 < n; t0 += kTile) {
-        const int64_t nt = std::min(kTile, n - t0);
-        set_tile(in, b, g, sc.keys.data(), t0, nt, n, sc);
-        for (int64_t j = 0; j < nt; ++j) {
-          const int64_t r = (b * in.T + sc.keys[t0 + j]) * in.Hkv + g;
-          sc.dkrows[j] = sc.dk + r * Dk;
-          sc.dvrows[j] = sc.dv + r * Dv;
+      auto row0 = [&](int64_t i) { return (b * in.S + s0 + i) * in.Hq + g * G; };  // (b, s0 + i, head g*G)
+      for (int64_t i = 0; i < nq; ++i) {
+        std::fill(dqp + row0(i) * Dk, dqp + (row0(i) + G) * Dk, 0.f);
+        for (int64_t h = 0; h < G; ++h) {
+          sc.l[i * L.Gp + h] = dot(dop + (row0(i) + h) * Dv, oo + (row0(i) + h) * Dv, Dv);
+          sc.m[i * L.Gp + h] = lp[row0(i) + h];
         }
-        sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());     // scale * q.k
-        sc.scores(sc.dot, sc.vrows.data(), nt, Dv, sc.dp.data());   // dO . v
-        softmax_grad_tile(sc, nt);
-        tiles::gather(sc.dp.data(), L.wi(), L.wj(), G, sc.krows.data(), nt, Dk, dqg, Dk);
-        const float* q_rows = in.qrow(b, s, g * G);  // dk += ds^T (scale * q): scale applied below
-        tiles::scatter(sc.dp.data(), L.wi(), L.wj(), G, q_rows, Dk, nt, Dk, sc.dkrows.data());
-        tiles::scatter(sc.s.data(), L.wi(), L.wj(), G, dog, Dv, nt, Dv, sc.dvrows.data());
       }
-      for (int64_t i = 0; i < G * Dk; ++i) dqg[i] *= sc_f;
+      sweep_chunks(kb, sc, topk, nq, [&](int64_t i, const int32_t* keys, int64_t n) {
+        const float* dog = dop + row0(i) * Dv;
+        float* dqg = dqp + row0(i) * Dk;
+        sc.load_rows(in.qrow(b, s0 + i, g * G), Dk, sc_f, sc.qs);
+        sc.load_rows(dog, Dv, 1.f, sc.dot);
+        std::copy(sc.m.data() + i * L.Gp, sc.m.data() + i * L.Gp + G, sc.lse.data());
+        std::copy(sc.l.data() + i * L.Gp, sc.l.data() + i * L.Gp + G, sc.delta.data());
+        for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+          const int64_t nt = std::min(kTile, n - t0);
+          set_run_tile(in, kb, b, g, keys, t0, nt, n, sc);
+          for (int64_t j = 0; j < nt; ++j) {
+            const int64_t r = (b * in.T + keys[t0 + j]) * in.Hkv + g;
+            sc.dkrows[j] = sc.dk + r * Dk;
+            sc.dvrows[j] = sc.dv + r * Dv;
+          }
+          sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());     // scale * q.k
+          sc.scores(sc.dot, sc.vrows.data(), nt, Dv, sc.dp.data());   // dO . v
+          softmax_grad_tile(sc, nt);
+          tiles::gather(sc.dp.data(), L.wi(), L.wj(), G, sc.krows.data(), nt, Dk, dqg, Dk);
+          const float* q_rows = in.qrow(b, s0 + i, g * G);  // dk += ds^T (scale * q): scale applied below
+          tiles::scatter(sc.dp.data(), L.wi(), L.wj(), G, q_rows, Dk, nt, Dk, sc.dkrows.data());
+          tiles::scatter(sc.s.data(), L.wi(), L.wj(), G, dog, Dv, nt, Dv, sc.dvrows.data());
+        }
+      });
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t e = row0(i) * Dk; e < (row0(i) + G) * Dk; ++e) dqp[e] *= sc_f;
     }
   });
   auto [dk, dv] = grads.sum();
