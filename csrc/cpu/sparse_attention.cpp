@@ -91,7 +91,7 @@ struct Scratch {
   }
 };
 
-// The forward's blocking (see sparse_attention_fwd_cpu): chunks of 2^shift
+// The blocking of both passes (see sparse_attention_fwd_cpu): chunks of 2^shift
 // consecutive key positions (a power of two, so a key's chunk is a shift)
 // whose rows for one kv head fill ~kChunkBytes, and blocks of `queries`
 // queries whose running state (G output rows each) fills ~kStateBytes; the
