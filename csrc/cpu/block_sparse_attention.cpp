@@ -132,26 +132,23 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd_cpu(
     std::fill(sc.l.begin(), sc.l.end(), 0.f);
     for_each_tile(P, b, h, i, first, M, [&](int64_t t0, int64_t nt, bool diagonal) {
       for (int64_t j = 0; j < nt; ++j) sc.krows[j] = in.krow(b, t0 + j, g), sc.vrows[j] = in.vrow(b, t0 + j, g);
-      const int64_t off = first - t0;
-      if (!diagonal) {
-        tiles::dots_t(sc.qt.data(), Mp, Mp, sc.krows.data(), nt, Dk, sc.s.data(), Mp);
-      } else {
-        for (int64_t r = 0; r < Mp; r += 2 * tiles::W) {  // dots_t's widest step: two vectors of queries
-          const int64_t n = std::min(2 * tiles::W, Mp - r), N = keys_seen(off, r + n, nt);
-          if (N > 0) tiles::dots_t(sc.qt.data() + r, Mp, n, sc.krows.data(), N, Dk, sc.s.data() + r, Mp);
-        }
-        mask_future(sc.s.data(), Mp, nt, t0, first);
+      // Keys the queries below r_end see in the tile: all of them off the diagonal.
+      // On it, each product works per vector of queries (dots_t: its widest
+      // step, two vectors) and stops at keys_seen; what it leaves unwritten is
+      // -inf (mask_future), p = 0, and never read.
+      auto seen = [&, off = first - t0](int64_t r_end) { return diagonal ? keys_seen(off, r_end, nt) : nt; };
+      const int64_t step = diagonal ? tiles::W : Mp;
+      for (int64_t r = 0; r < Mp; r += 2 * step) {
+        const int64_t n = std::min(2 * step, Mp - r), N = seen(r + n);
+        if (N > 0) tiles::dots_t(sc.qt.data() + r, Mp, n, sc.krows.data(), N, Dk, sc.s.data() + r, Mp);
       }
-      if (!diagonal)
-        tiles::online_softmax_cols(sc.s.data(), Mp, nt, Mp, sc.m.data(), sc.l.data(), sc.alpha.data(), false);
-      else  // each vector of queries over the keys it can see (the rest are -inf, p = 0, never read)
-        for (int64_t r = 0; r < Mp; r += tiles::W)
-          tiles::online_softmax_cols(sc.s.data() + r, Mp, keys_seen(off, r + tiles::W, nt), tiles::W, sc.m.data() + r,
-                                     sc.l.data() + r, sc.alpha.data() + r, true);
+      if (diagonal) mask_future(sc.s.data(), Mp, nt, t0, first);
+      for (int64_t r = 0; r < Mp; r += step)
+        tiles::online_softmax_cols(sc.s.data() + r, Mp, seen(r + step), step, sc.m.data() + r, sc.l.data() + r,
+                                   sc.alpha.data() + r, diagonal);
       // O = alpha * O + P V. Rows that see no key of the tile (N = 0) have alpha = 1 (or O = 0).
-      const int64_t rows = diagonal ? tiles::W : M;  // p = 0 exactly past keys_seen: skipped
-      for (int64_t r = 0; r < M; r += rows) {
-        const int64_t n = std::min(rows, M - r), N = diagonal ? keys_seen(off, r + n, nt) : nt;
+      for (int64_t r = 0; r < M; r += step) {
+        const int64_t n = std::min(step, M - r), N = seen(r + n);
         if (N > 0)
           tiles::gather(sc.s.data() + r, 1, Mp, n, sc.vrows.data(), N, Dv, sc.o.data() + r * Dv, Dv, sc.alpha.data() + r);
       }

@@ -62,20 +62,22 @@ struct Layout {
 
 struct Scratch {
   Layout lay;
-  // keys: the selected keys of each query of the item (grouped by chunk in
-  // the forward, bounds[i][c] the start of chunk c); unsorted, cursor: scratch
+  // keys: the visible keys of each query of the item, grouped by chunk
+  // (bounds[i][c] the start of chunk c); unsorted, cursor: scratch
   std::vector<int32_t> keys, unsorted, bounds, cursor;
   std::vector<const float*> krows, vrows, next;
   std::vector<float*> dkrows, dvrows;
   // qs: scale * Q rows of one kv head, [G][Dk] (by_key: transposed [Dk][Gp], zero padded)
   // dot: dO the same way, [G][Dv] or [Dv][Gp]; s, dp: score tiles
   // o, m, l: running output rows [G][Dv], max and sum [Gp] of each of the item's queries
+  // lse, delta: [Gp] per query (backward; padding heads 0)
   std::vector<float> qs, dot, s, dp, o, m, l, alpha, lse, delta;
   Scratch(const AttentionInputs& in, int64_t topk, int64_t queries = 1, int64_t chunks = 1)
       : lay(in.G), keys(topk * queries), unsorted(topk), bounds(queries * (chunks + 1)), cursor(chunks),
         krows(kTile), vrows(kTile), next(kTile), dkrows(kTile), dvrows(kTile), qs(lay.Gp * in.Dk, 0.f),
         dot(lay.Gp * in.Dv, 0.f), s(lay.Gp * kTile), dp(lay.Gp * kTile), o(queries * in.G * in.Dv),
-        m(queries * lay.Gp), l(queries * lay.Gp), alpha(lay.Gp), lse(lay.Gp, 0.f), delta(lay.Gp, 0.f) {}
+        m(queries * lay.Gp), l(queries * lay.Gp), alpha(lay.Gp), lse(queries * lay.Gp, 0.f),
+        delta(queries * lay.Gp, 0.f) {}
 
   // G rows of D values (row stride D) into buf, scaled, in this layout.
   void load_rows(const float* src, int64_t D, float scale, std::vector<float>& buf) const {
@@ -115,11 +117,6 @@ struct KeyBlocking {
   }
   // keys[0..n) grouped by chunk into out (stable), bounds[c] = start of chunk c, bounds[chunks] = n.
   void group(const int32_t* keys, int64_t n, int32_t* out, int32_t* bounds, int32_t* cursor) const {
-    if (chunks == 1) {
-      std::copy(keys, keys + n, out);
-      bounds[0] = 0, bounds[1] = static_cast<int32_t>(n);
-      return;
-    }
     std::fill(cursor, cursor + chunks, 0);
     for (int64_t j = 0; j < n; ++j) ++cursor[keys[j] >> shift];
     int32_t at = 0;
@@ -129,37 +126,19 @@ struct KeyBlocking {
   }
 };
 
-// Points krows/vrows at the tile's nt keys and prefetches the n1 rows that come next.
-void set_rows(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* keys, int64_t nt, const int32_t* next,
-              int64_t n1, Scratch& sc) {
-  for (int64_t j = 0; j < nt; ++j) {
-    sc.krows[j] = in.krow(b, keys[j], g);
-    sc.vrows[j] = in.vrow(b, keys[j], g);
-  }
-  n1 = std::min(n1, kTile);
-  for (int64_t j = 0; j < n1; ++j) sc.next[j] = in.krow(b, next[j], g);
-  tiles::prefetch_rows(sc.next.data(), n1, in.Dk);
-  if (in.vp != in.kp || in.vst != in.kst || in.vsh != in.ksh) {  // v not a view of k's rows
-    for (int64_t j = 0; j < n1; ++j) sc.next[j] = in.vrow(b, next[j], g);
-    tiles::prefetch_rows(sc.next.data(), n1, in.Dv);
-  }
-}
-
-// Tile [t0, t0 + nt) of a run of n keys, prefetching the run's next tile.
-void set_tile(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* keys, int64_t t0, int64_t nt, int64_t n,
-              Scratch& sc) {
-  set_rows(in, b, g, keys + t0, nt, keys + t0 + nt, n - t0 - nt, sc);
-}
-
 // The visible keys of queries s0 .. s0 + nq of batch b, each query's grouped
 // by chunk: sc.keys[i * topk + ...], chunk c at [bounds[i][c], bounds[i][c + 1]).
 void group_block_keys(const AttentionInputs& in, const KeyBlocking& kb, const int32_t* idx, int64_t topk, bool causal,
                       int64_t b, int64_t s0, int64_t nq, Scratch& sc) {
   for (int64_t i = 0; i < nq; ++i) {
+    int32_t *keys = sc.keys.data() + i * topk, *bounds = sc.bounds.data() + i * (kb.chunks + 1);
+    const bool one_chunk = kb.chunks == 1;  // already in place: nothing to group
     const int64_t n = visible_keys(idx + (b * in.S + s0 + i) * topk, topk, causal, in.q_start[b] + s0 + i, in.T,
-                                   sc.unsorted.data());
-    kb.group(sc.unsorted.data(), n, sc.keys.data() + i * topk, sc.bounds.data() + i * (kb.chunks + 1),
-             sc.cursor.data());
+                                   one_chunk ? keys : sc.unsorted.data());
+    if (one_chunk)
+      bounds[0] = 0, bounds[1] = static_cast<int32_t>(n);
+    else
+      kb.group(sc.unsorted.data(), n, keys, bounds, sc.cursor.data());
   }
 }
 
@@ -176,16 +155,25 @@ void sweep_chunks(const KeyBlocking& kb, const Scratch& sc, int64_t topk, int64_
     }
 }
 
-// Points the tile's rows at keys[t0, t0 + nt) of a run of n: prefetching the
-// run's next tile from L3 when the sweep has one chunk, not when chunked (most
-// rows are then L2 hits, fetched by an earlier query of the block, and a
-// prefetch of each cost more than it hid: ~4% slower).
-void set_run_tile(const AttentionInputs& in, const KeyBlocking& kb, int64_t b, int64_t g, const int32_t* keys,
-                  int64_t t0, int64_t nt, int64_t n, Scratch& sc) {
-  if (kb.chunks == 1)
-    set_tile(in, b, g, keys, t0, nt, n, sc);
-  else
-    set_rows(in, b, g, keys + t0, nt, nullptr, 0, sc);
+// Points krows/vrows at keys[t0, t0 + nt) of a run of n. With `prefetch`,
+// asks for the run's next tile from L3: the one-chunk sweep. Chunked, most
+// rows are L2 hits (fetched by an earlier query of the block), and a prefetch
+// of each cost more than it hid (~4% slower).
+void set_tile(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* keys, int64_t t0, int64_t nt, int64_t n,
+              bool prefetch, Scratch& sc) {
+  for (int64_t j = 0; j < nt; ++j) {
+    sc.krows[j] = in.krow(b, keys[t0 + j], g);
+    sc.vrows[j] = in.vrow(b, keys[t0 + j], g);
+  }
+  if (!prefetch) return;
+  const int32_t* next = keys + t0 + nt;
+  const int64_t n1 = std::min(kTile, n - t0 - nt);
+  for (int64_t j = 0; j < n1; ++j) sc.next[j] = in.krow(b, next[j], g);
+  tiles::prefetch_rows(sc.next.data(), n1, in.Dk);
+  if (in.vp != in.kp || in.vst != in.kst || in.vsh != in.ksh) {  // v not a view of k's rows
+    for (int64_t j = 0; j < n1; ++j) sc.next[j] = in.vrow(b, next[j], g);
+    tiles::prefetch_rows(sc.next.data(), n1, in.Dv);
+  }
 }
 
 // One tile of the online softmax for one query's heads: p written over sc.s,
@@ -203,25 +191,25 @@ void attend_tile(Scratch& sc, int64_t nt, int64_t Dv, float* o, float* m, float*
   tiles::gather(sc.s.data(), L.wi(), L.wj(), L.G, sc.vrows.data(), nt, Dv, o, Dv, alpha);
 }
 
-// Backward of the softmax on one tile: p = exp(s - lse) over sc.s and
-// ds = p * (dp - delta) over sc.dp, vectorised along the tile's rows.
-void softmax_grad_tile(Scratch& sc, int64_t nt) {
+// Backward of the softmax on one tile of one query: p = exp(s - lse) over sc.s
+// and ds = p * (dp - delta) over sc.dp, vectorised along the tile's rows.
+void softmax_grad_tile(Scratch& sc, int64_t nt, const float* lse, const float* delta_h) {
   using tiles::Vec;
   const Layout& L = sc.lay;
   if (L.by_key) {  // rows are keys, lanes are heads (padding heads: p = 1, ds = 0)
     for (int64_t j = 0; j < nt; ++j)
       for (int64_t h = 0; h < L.Gp; h += tiles::W) {
         float *s = sc.s.data() + j * L.Gp + h, *dp = sc.dp.data() + j * L.Gp + h;
-        const Vec p = tiles::exp_masked(Vec::loadu(s) - Vec::loadu(sc.lse.data() + h));
+        const Vec p = tiles::exp_masked(Vec::loadu(s) - Vec::loadu(lse + h));
         p.store(s);
-        (p * (Vec::loadu(dp) - Vec::loadu(sc.delta.data() + h))).store(dp);
+        (p * (Vec::loadu(dp) - Vec::loadu(delta_h + h))).store(dp);
       }
     return;
   }
   for (int64_t h = 0; h < L.G; ++h) {
     float *s = sc.s.data() + h * kTile, *dp = sc.dp.data() + h * kTile;
-    tiles::exp_shifted(s, nt, sc.lse[h]);
-    const Vec delta(sc.delta[h]);
+    tiles::exp_shifted(s, nt, lse[h]);
+    const Vec delta(delta_h[h]);
     for (int64_t j = 0; j < nt; j += tiles::W) {
       const int64_t c = std::min<int64_t>(tiles::W, nt - j);
       (tiles::load(s + j, c) * (tiles::load(dp + j, c) - delta)).store(dp + j, c);
@@ -267,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
         sc.load_rows(in.qrow(b, s0 + i, g * G), Dk, sc_f, sc.qs);
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
           const int64_t nt = std::min(kTile, n - t0);
-          set_run_tile(in, kb, b, g, keys, t0, nt, n, sc);
+          set_tile(in, b, g, keys, t0, nt, n, C == 1, sc);
           sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
           attend_tile(sc, nt, Dv, o, m, l);
         }
@@ -304,8 +292,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
   // The forward's key-range blocking (KeyBlocking): a block of queries sweeps
   // its keys chunk by chunk, so the k/v rows it reads and the dK/dV rows it
   // scatter-adds stay in L2 while the block's queries share them. dQ rows
-  // accumulate in place across chunks; m and l hold each query's lse and
-  // delta = rowsum(dO * O).
+  // accumulate in place across chunks; lse and delta = rowsum(dO * O) are
+  // held per query of the block.
   const KeyBlocking kb(in);
   const int64_t QB = kb.queries, C = kb.chunks, n_blocks = (in.S + QB - 1) / QB;
   KVGradBuffers grads(in, in.B * n_blocks);
@@ -326,8 +314,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
       for (int64_t i = 0; i < nq; ++i) {
         std::fill(dqp + row0(i) * Dk, dqp + (row0(i) + G) * Dk, 0.f);
         for (int64_t h = 0; h < G; ++h) {
-          sc.l[i * L.Gp + h] = dot(dop + (row0(i) + h) * Dv, oo + (row0(i) + h) * Dv, Dv);
-          sc.m[i * L.Gp + h] = lp[row0(i) + h];
+          sc.delta[i * L.Gp + h] = dot(dop + (row0(i) + h) * Dv, oo + (row0(i) + h) * Dv, Dv);
+          sc.lse[i * L.Gp + h] = lp[row0(i) + h];
         }
       }
       sweep_chunks(kb, sc, topk, nq, [&](int64_t i, const int32_t* keys, int64_t n) {
@@ -335,11 +323,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
         float* dqg = dqp + row0(i) * Dk;
         sc.load_rows(in.qrow(b, s0 + i, g * G), Dk, sc_f, sc.qs);
         sc.load_rows(dog, Dv, 1.f, sc.dot);
-        std::copy(sc.m.data() + i * L.Gp, sc.m.data() + i * L.Gp + G, sc.lse.data());
-        std::copy(sc.l.data() + i * L.Gp, sc.l.data() + i * L.Gp + G, sc.delta.data());
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
           const int64_t nt = std::min(kTile, n - t0);
-          set_run_tile(in, kb, b, g, keys, t0, nt, n, sc);
+          set_tile(in, b, g, keys, t0, nt, n, C == 1, sc);
           for (int64_t j = 0; j < nt; ++j) {
             const int64_t r = (b * in.T + keys[t0 + j]) * in.Hkv + g;
             sc.dkrows[j] = sc.dk + r * Dk;
@@ -347,7 +333,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
           }
           sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());     // scale * q.k
           sc.scores(sc.dot, sc.vrows.data(), nt, Dv, sc.dp.data());   // dO . v
-          softmax_grad_tile(sc, nt);
+          softmax_grad_tile(sc, nt, sc.lse.data() + i * L.Gp, sc.delta.data() + i * L.Gp);
           tiles::gather(sc.dp.data(), L.wi(), L.wj(), G, sc.krows.data(), nt, Dk, dqg, Dk);
           const float* q_rows = in.qrow(b, s0 + i, g * G);  // dk += ds^T (scale * q): scale applied below
           tiles::scatter(sc.dp.data(), L.wi(), L.wj(), G, q_rows, Dk, nt, Dk, sc.dkrows.data());
