@@ -116,6 +116,56 @@ def test_sparse_attention_matches_reference(backend, poisoned, case, dtype):
     compare(ours, ref32, ref_lp, dtype)
 
 
+# The CPU forward runs query blocks of 64 whose selections cover much of their
+# span on lane tiles (the queries as vector lanes, a bitmask per key), the
+# rest by gathering each query's keys. GLM5_SPARSE_LANE_BLOCKS forces either
+# path, so both see every shape; these add several blocks, the last partial.
+LANE_CASES = [
+    (2, 131, 300, 8, 8, 96, 64, 120, True, False),    # MHA: MLA's expanded prefill form
+    (1, 150, 260, 8, 2, 64, 64, 200, True, False),    # GQA 4, nearly every visible key chosen
+    (1, 70, 200, 16, 1, 288, 256, 150, True, True),   # MQA absorbed, v = k[..., :256]
+    (1, 90, 120, 4, 4, 32, 24, 50, False, False),     # non-causal: the span is not bounded by position
+]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU kernel's two forward paths")
+@pytest.mark.parametrize("mode", ["always", "never"])
+@pytest.mark.parametrize("case", SPARSE_CASES + LANE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cpu_sparse_forward_paths_match_reference(monkeypatch, poisoned, case, mode, dtype):
+    monkeypatch.setenv("GLM5_SPARSE_LANE_BLOCKS", mode)
+    B, S, T, Hq, Hkv, Dk, Dv, topk, causal, v_views_k = case
+    seed = zlib.crc32(repr(case).encode()) % 1000
+    q, k, v = qkv(B, S, T, Hq, Hkv, Dk, Dv, dtype, seed, v_views_k)
+    idx = random_selection(B, S, T, topk, seed)
+    q_start = torch.tensor([T - S - 3, T - S][:B]) if B == 2 else None
+    kw = dict(scale=0.7 / Dk ** 0.5, causal=causal, q_start=q_start)
+    with glm5_ops.use_backend("cpp"):
+        ours = glm5_ops.sparse_attention(q, k, v, idx, **kw)
+    kf = k.float()
+    ref32 = R.sparse_attention(q.float(), kf, kf[..., :Dv] if v_views_k else v.float(), idx, **kw)
+    ref_lp = R.sparse_attention(q, k, v, idx, **kw) if dtype != torch.float32 else ref32
+    compare(ours, ref32, ref_lp, dtype)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU kernel's path choice")
+def test_cpu_sparse_forward_chooses_lane_blocks_by_density(monkeypatch):
+    """auto runs a dense MHA selection on lane tiles and a sparse MQA one by
+    gathering (each bitwise equal to the forced path), and refuses other modes."""
+    def run(mode, G, topk):
+        monkeypatch.setenv("GLM5_SPARSE_LANE_BLOCKS", mode)
+        q, k, v = qkv(1, 128, 400, 16, 16 // G, 64, 64, torch.float32, 7)
+        with glm5_ops.use_backend("cpp"):
+            return glm5_ops.sparse_attention(q, k, v, random_selection(1, 128, 400, topk, 7, 0.0), causal=True)[0]
+
+    assert torch.equal(run("auto", 1, 300), run("always", 1, 300))
+    assert not torch.equal(run("auto", 1, 300), run("never", 1, 300))
+    assert torch.equal(run("auto", 16, 60), run("never", 16, 60))
+    monkeypatch.setenv("GLM5_SPARSE_LANE_BLOCKS", "sometimes")
+    with pytest.raises(RuntimeError, match="GLM5_SPARSE_LANE_BLOCKS"):
+        run("sometimes", 1, 300)
+
+
 def test_sparse_attention_empty_and_duplicate_free_rows(backend, poisoned):
     """A query whose slots are all -1 or all in its future gets zeros, lse -inf and zero gradients."""
     B, S, T, H, D = 1, 4, 16, 2, 16

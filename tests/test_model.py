@@ -248,6 +248,31 @@ def test_dsa_prompt_within_index_topk_runs_dense_attention():
     assert fraction >= PARITY_FRACTION, worst
 
 
+def test_dsa_prefill_over_a_dense_selection_runs_the_expanded_form(tmp_path):
+    """Where the indexer's choice still covers most visible keys (80 tokens at
+    top-48), DSA attends with per-head K/V (expanded_is_cheaper): the sparse
+    op sees one kv head per query head, and the logits match transformers'."""
+    config = _tiny(index_topk=48)
+    hf = _hf_model(config, seed=3)
+    ours = GLM5ForCausalLM.from_pretrained(_save(hf, tmp_path / "ckpt"), verbose=False)
+    ids = _ids(config, 2, 80)
+    kv_heads = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "sparse_attention" in str(func):
+                kv_heads.append(args[1].shape[2])
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        with Spy():
+            mine = ours(ids)
+    assert kv_heads and all(h == config.num_attention_heads for h in kv_heads), kv_heads
+    fraction, worst = _agreement(mine, theirs)
+    assert fraction >= PARITY_FRACTION, f"only {fraction:.4%} of positions agree (worst {worst:.2e})"
+
+
 def test_chunked_prefill_equals_one_call():
     config = _tiny()
     model = _random_model(config)

@@ -20,6 +20,7 @@
 #include "checks.h"
 #include "cpu/attention_common.h"
 #include "cpu/attention_tiles.h"
+#include "cpu/lane_tiles.h"
 #include "cpu/parallel.h"
 
 namespace glm5 {
@@ -36,33 +37,17 @@ struct BlockProblem {
   bool causal;
 };
 
+// The backward's buffers (the forward's are lanes::LaneState).
 struct Scratch {
   int64_t Mp;
   std::vector<const float*> krows, vrows;
   std::vector<float*> dkrows, dvrows;
-  // qt: scale * Q^T [Dk][Mp]; dot: dO^T [Dv][Mp]; s, dp: [kTile][Mp]; o: [M][Dv]
-  std::vector<float> qt, dot, s, dp, o, m, l, alpha, lse, delta;
+  // qt: scale * Q^T [Dk][Mp]; dot: dO^T [Dv][Mp]; s, dp: [kTile][Mp]; dqb: dQ [M][Dk]
+  std::vector<float> qt, dot, s, dp, lse, delta, dqb;
   Scratch(const AttentionInputs& in, int64_t bs)
       : Mp((bs + tiles::W - 1) / tiles::W * tiles::W), krows(kTile), vrows(kTile), dkrows(kTile), dvrows(kTile),
-        qt(in.Dk * Mp), dot(in.Dv * Mp), s(kTile * Mp), dp(kTile * Mp), o(bs * in.Dv), m(Mp), l(Mp), alpha(Mp),
-        lse(Mp), delta(Mp) {}
+        qt(in.Dk * Mp), dot(in.Dv * Mp), s(kTile * Mp), dp(kTile * Mp), lse(Mp), delta(Mp), dqb(bs * in.Dk) {}
 };
-
-// -inf at (key j, query lane r < Mp) where key t0 + j lies after query r's
-// position (first + r; padding lanes r >= M continue the sequence).
-void mask_future(float* s, int64_t Mp, int64_t nt, int64_t t0, int64_t first) {
-  for (int64_t j = 0; j < nt; ++j) {
-    const int64_t r0 = std::clamp<int64_t>(t0 + j - first, 0, Mp);  // first query that sees it
-    std::fill(s + j * Mp, s + j * Mp + r0, kNegInf);
-  }
-}
-
-// On a tile that crosses the diagonal, the queries [r, r_end) see only keys
-// j < keys_seen(...) of the tile (off = first - t0): the products stop there,
-// which skips the upper triangle at the granularity of a vector of queries
-// (~30% of a diagonal tile; one tile in eight at 6% density). The scores
-// left unwritten are exactly those mask_future sets to -inf.
-int64_t keys_seen(int64_t off, int64_t r_end, int64_t nt) { return std::clamp<int64_t>(off + r_end, 0, nt); }
 
 // Prefetches the k and v rows of key block j (kv head g) into L2 while the
 // current block computes: a head's rows sit Hkv*D apart, too sparse for the
@@ -121,44 +106,27 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd_cpu(
   float* lp = lse.data_ptr<float>();
 
   const int64_t workers = at::get_num_threads();  // a worker's next item is usually `workers` further on
-  parallel_dynamic(in.B * in.Hq * P.Qb, [&] { return Scratch(in, block_size); }, [&](int64_t item, Scratch& sc) {
+  struct FwdScratch {
+    lanes::LaneState st;
+    std::vector<const float*> krows, vrows;
+    FwdScratch(const AttentionInputs& in, int64_t bs) : st(bs, in.Dk, in.Dv, kTile), krows(kTile), vrows(kTile) {}
+  };
+  parallel_dynamic(in.B * in.Hq * P.Qb, [&] { return FwdScratch(in, block_size); }, [&](int64_t item, FwdScratch& sc) {
     const int64_t i = item % P.Qb, h = (item / P.Qb) % in.Hq, b = item / (P.Qb * in.Hq);
     const int64_t s0 = i * block_size, M = std::min(block_size, in.S - s0), g = h / in.G;
-    const int64_t first = in.q_start[b] + s0, Mp = sc.Mp;
+    const int64_t first = in.q_start[b] + s0;
     prefetch_queries(P, item + workers);
-    tiles::transpose_rows(in.qrow(b, s0, h), in.Hq * Dk, M, Dk, static_cast<float>(scale), Mp, sc.qt.data());
-    std::fill(sc.o.begin(), sc.o.end(), 0.f);
-    std::fill(sc.m.begin(), sc.m.end(), kNegInf);
-    std::fill(sc.l.begin(), sc.l.end(), 0.f);
+    sc.st.begin(in.qrow(b, s0, h), in.Hq * Dk, M, Dk, static_cast<float>(scale));
     for_each_tile(P, b, h, i, first, M, [&](int64_t t0, int64_t nt, bool diagonal) {
       for (int64_t j = 0; j < nt; ++j) sc.krows[j] = in.krow(b, t0 + j, g), sc.vrows[j] = in.vrow(b, t0 + j, g);
-      // Keys the queries below r_end see in the tile: all of them off the diagonal.
-      // On it, each product works per vector of queries (dots_t: its widest
-      // step, two vectors) and stops at keys_seen; what it leaves unwritten is
-      // -inf (mask_future), p = 0, and never read.
-      auto seen = [&, off = first - t0](int64_t r_end) { return diagonal ? keys_seen(off, r_end, nt) : nt; };
-      const int64_t step = diagonal ? tiles::W : Mp;
-      for (int64_t r = 0; r < Mp; r += 2 * step) {
-        const int64_t n = std::min(2 * step, Mp - r), N = seen(r + n);
-        if (N > 0) tiles::dots_t(sc.qt.data() + r, Mp, n, sc.krows.data(), N, Dk, sc.s.data() + r, Mp);
-      }
-      if (diagonal) mask_future(sc.s.data(), Mp, nt, t0, first);
-      for (int64_t r = 0; r < Mp; r += step)
-        tiles::online_softmax_cols(sc.s.data() + r, Mp, seen(r + step), step, sc.m.data() + r, sc.l.data() + r,
-                                   sc.alpha.data() + r, diagonal);
-      // O = alpha * O + P V. Rows that see no key of the tile (N = 0) have alpha = 1 (or O = 0).
-      for (int64_t r = 0; r < M; r += step) {
-        const int64_t n = std::min(step, M - r), N = seen(r + n);
-        if (N > 0)
-          tiles::gather(sc.s.data() + r, 1, Mp, n, sc.vrows.data(), N, Dv, sc.o.data() + r * Dv, Dv, sc.alpha.data() + r);
-      }
+      const int64_t off = first - t0, Mp = sc.st.Mp;
+      lanes::attend_tile(sc.st, M, sc.krows.data(), sc.vrows.data(), nt, Dk, Dv, diagonal, off, [&](float* s) {
+        if (diagonal) lanes::mask_future(s, Mp, nt, off);
+        return diagonal;
+      });
     });
-    for (int64_t r = 0; r < M; ++r) {
-      const int64_t row = (b * in.S + s0 + r) * in.Hq + h;
-      const float inv = sc.l[r] > 0.f ? 1.f / sc.l[r] : 0.f;
-      for (int64_t d = 0; d < Dv; ++d) op[row * Dv + d] = sc.o[r * Dv + d] * inv;
-      lp[row] = sc.l[r] > 0.f ? sc.m[r] + std::log(sc.l[r]) : kNegInf;
-    }
+    const int64_t row0 = (b * in.S + s0) * in.Hq + h;  // query r is row0 + r * Hq
+    sc.st.finish(M, Dv, op + row0 * Dv, in.Hq * Dv, lp + row0, in.Hq);
   });
   return {to_dtype(out, q.scalar_type()), lse};
 }
@@ -186,8 +154,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_attention_bwd_cpu(
 
   struct BwdScratch : Scratch {
     float *dk, *dv;
-    std::vector<float> dqb;  // [M][Dk]
-    BwdScratch(const AttentionInputs& in, int64_t bs, KVGradBuffers& g) : Scratch(in, bs), dqb(bs * in.Dk) {
+    BwdScratch(const AttentionInputs& in, int64_t bs, KVGradBuffers& g) : Scratch(in, bs) {
       std::tie(dk, dv) = g.claim();
     }
   };
@@ -215,7 +182,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_attention_bwd_cpu(
         sc.dkrows[j] = sc.dk + r * Dk, sc.dvrows[j] = sc.dv + r * Dv;
       }
       tiles::dots_t(sc.qt.data(), Mp, Mp, sc.krows.data(), nt, Dk, sc.s.data(), Mp);
-      if (diagonal) mask_future(sc.s.data(), Mp, nt, t0, first);
+      if (diagonal) lanes::mask_future(sc.s.data(), Mp, nt, first - t0);
       tiles::dots_t(sc.dot.data(), Mp, Mp, sc.vrows.data(), nt, Dv, sc.dp.data(), Mp);
       for (int64_t j = 0; j < nt; ++j)
         for (int64_t r = 0; r < Mp; r += tiles::W) {

@@ -152,7 +152,12 @@ class MLAttention(nn.Module):
         # DSA selects every visible key while they fit in index_topk: that is
         # dense attention, run as such (vLLM's DSA does the same for short prefill).
         every_key = ctx.attn == "dense" or (ctx.attn == "dsa" and ctx.q_start + S <= self.config.index_topk)
-        expanded = every_key and S >= DENSE_EXPANDED_MIN_QUERIES
+        many = S >= DENSE_EXPANDED_MIN_QUERIES
+        # DSA over a selection that still covers much of the context (prefill
+        # at a few times index_topk) attends in the expanded form too: see
+        # expanded_is_cheaper. Same selection, same result; fewer FLOPs.
+        sparse_expanded = many and ctx.attn == "dsa" and not every_key and self.expanded_is_cheaper(S, ctx.q_start)
+        expanded = (every_key and many) or sparse_expanded
         with nvtx_range(f"layer{i}/attn/proj"):
             q_nope, q_rot, q_resid, kv = self.project(x, ctx.cos, ctx.sin)
             if not expanded:
@@ -164,7 +169,7 @@ class MLAttention(nn.Module):
         keys, index_keys = ctx.store(i, kv, index_key, need_keys=expanded or ctx.attn != "dsa")
 
         selection = prev_selection
-        if expanded:
+        if expanded and not sparse_expanded:
             selection = None
         elif ctx.attn == "dsa" and self.indexer is not None:
             selection = self._select(x, q_resid, index_keys, ctx)
@@ -172,7 +177,10 @@ class MLAttention(nn.Module):
             selection = None
         if expanded:
             with nvtx_range(f"layer{i}/attn/core"):
-                out = self._dense_expanded(q_nope, q_rot, keys, ctx)    # [B,S,H,v]
+                if sparse_expanded:
+                    out = self._sparse_expanded(q_nope, q_rot, keys, selection, ctx)
+                else:
+                    out = self._dense_expanded(q_nope, q_rot, keys, ctx)    # [B,S,H,v]
             with nvtx_range(f"layer{i}/attn/out"):
                 out = self.o_proj(out.reshape(B, S, self.n_heads * self.v_dim))
         else:
@@ -207,6 +215,30 @@ class MLAttention(nn.Module):
             if ctx.fused:
                 return glm5_ops.indexer_topk(qi, wi, index_keys, topk, causal=True, q_start=ctx.q_start)
             return glm5_ops.topk_indices(scores, topk)
+
+    def expanded_is_cheaper(self, S: int, q_start: int) -> bool:
+        """Whether DSA over S queries at q_start costs less in the expanded form.
+        Absorbed, each selected (query, key, head) costs kv_lora + rope + kv_lora
+        FMAs (544 in the small preset, 1088 in GLM-5); expanded, nope + rope + v
+        (160 / 512), but the CPU kernel then runs the block's whole span of keys
+        on lane tiles (it does when a block selected more than ~16% of it, MHA
+        having one head per kv head), and every key's latent is expanded first.
+        So the expanded form wins while the selection covers more than about
+        (nope + rope + v) / (2 kv_lora + rope) of the visible keys: 8K-token
+        prefill at top-2048 takes it for positions below ~6K."""
+        topk, first, last = self.config.index_topk, q_start + 1, q_start + S   # query s sees q_start + s + 1 keys
+        visible = (first + last) * S / 2                                         # causal (query, key) pairs
+        below = max(0, min(last, topk) - first + 1)                              # queries seeing <= topk keys
+        selected = (first + first + below - 1) * below / 2 + topk * (S - below)
+        absorbed = selected * (2 * self.kv_lora + self.rope_dim) + S * self.kv_lora * (self.nope + self.v_dim)
+        expand = (q_start + S) * self.kv_lora * (self.nope + self.v_dim) / 2     # a GEMM: twice the kernel's rate
+        return visible * (self.nope + self.rope_dim + self.v_dim) + expand < absorbed
+
+    def _sparse_expanded(self, q_nope, q_rot, keys, selection, ctx):
+        """DSA in the non-absorbed form: per-head K and V (expand), the same
+        selection, sparse_attention with one kv head per query head. [B,S,H,v]."""
+        q, k, v = self.expand(q_nope, q_rot, keys)
+        return glm5_ops.sparse_attention(q, k, v, selection, scale=self.scale, causal=True, q_start=ctx.q_start)[0]
 
     def _dense_expanded(self, q_nope, q_rot, keys, ctx):
         """The dense baseline for many queries, as FlashAttention runs MLA
