@@ -42,6 +42,17 @@ class BlockMask(NamedTuple):
         return reference.to_flex_block_mask(self.kv_num_blocks, self.kv_indices, self.block_size, S, T,
                                             causal=causal, q_start=q_start)
 
+    @classmethod
+    def causal(cls, S: int, T: int, block_size: int, *, q_start: int | None = None, device=None) -> "BlockMask":
+        """Every key block up to each query block's last position (broadcast
+        over B and H): dense causal attention on the block-sparse kernels."""
+        q0 = T - S if q_start is None else int(q_start)
+        Qb, Kb = -(-S // block_size), -(-T // block_size)
+        last = torch.clamp(torch.arange(1, Qb + 1, device=device) * block_size, max=S) - 1 + q0
+        num = torch.clamp(last // block_size + 1, 0, Kb).to(torch.int32).view(1, 1, Qb)
+        idx = torch.arange(Kb, dtype=torch.int32, device=device).expand(1, 1, Qb, Kb)
+        return cls(num, idx, block_size)
+
     def density(self, S: int, T: int) -> float:
         """Fraction of the [S, T] block grid the mask selects (averaged over B, H)."""
         Kb = -(-T // self.block_size)

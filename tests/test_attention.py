@@ -234,6 +234,16 @@ def test_block_sparse_broadcast_mask_and_q_start(backend, poisoned):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="eager flex_attention comparison runs on the CPU")
+@pytest.mark.parametrize("S,T,q_start", [(130, 130, 0), (70, 200, 100), (5, 300, 295), (64, 64, 0)])
+def test_causal_block_mask_is_dense_causal_attention(backend, poisoned, S, T, q_start):
+    q, k, v = qkv(2, S, T, 4, 2, 32, 16, torch.float32, S + T)
+    mask = glm5_ops.BlockMask.causal(S, T, 64, q_start=q_start, device=DEVICE)
+    out, _ = glm5_ops.block_sparse_attention(q, k, v, mask, causal=True, q_start=q_start)
+    every_key = torch.arange(T, device=DEVICE).expand(2, S, T).to(torch.int32)
+    ref, _ = R.sparse_attention(q, k, v, every_key, scale=32 ** -0.5, causal=True, q_start=q_start)
+    assert rel_err(out, ref) <= 1e-5
+
+
 def test_block_sparse_matches_flex_attention():
     """Given a torch FlexAttention BlockMask (built by create_block_mask from a
     block-selection + causal mask_mod), block_sparse_attention(causal=True)

@@ -226,8 +226,10 @@ def test_decode_through_paged_cache_equals_full_forward(attn):
 
 def test_dsa_prompt_within_index_topk_runs_dense_attention():
     """While every visible key fits in index_topk, DSA's selection is all of them:
-    a 96-token prefill takes the expanded dense path (no sparse op) and equals
-    the absorbed sparse path that decode takes over the same keys."""
+    a 96-token prefill takes the expanded dense path (no indexer, no
+    token-level sparse op: causal attention on the block-sparse kernel over
+    every key block) and equals the absorbed sparse path that decode takes
+    over the same keys."""
     config = _tiny(index_topk=128)
     model = _random_model(config)
     ids = _ids(config, 1, 96)
@@ -241,7 +243,8 @@ def test_dsa_prompt_within_index_topk_runs_dense_attention():
     with torch.no_grad():
         with Spy():
             full = model(ids)
-        assert not any("sparse_attention" in op or "indexer" in op for op in ops)
+        assert not any("glm5.sparse_attention" in op or "indexer" in op for op in ops)
+        assert any("block_sparse_attention" in op for op in ops)
         cache = model.new_cache(1, 96)      # a 70-token prefill through the cache: dense too
         steps = [model(ids[:, :70], cache)] + [model(ids[:, t:t + 1], cache) for t in range(70, 96)]
     fraction, worst = _agreement(torch.cat(steps, 1), full)

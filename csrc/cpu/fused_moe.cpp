@@ -50,6 +50,7 @@
 
 #include "checks.h"
 #include "cpu/parallel.h"
+#include "cpu/workspace.h"
 
 namespace glm5 {
 namespace cpu {
@@ -292,7 +293,8 @@ void fwd_kernel(const Plan& p, const Shapes& sh, const scalar_t* xp, const scala
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.n > b.n; });
 
   // Uninitialised: every row is written by exactly one item.
-  const std::unique_ptr<acc_t[]> y_sorted(new acc_t[p.N * D]);
+  const Workspace y_buf(p.N * D * sizeof(acc_t));
+  acc_t* const y_sorted = y_buf.as<acc_t>();
   using Vec = at::vec::Vectorized<acc_t>;
   const bool serial = 6 * p.N * D * I < kSerialFlops;
   run_items(static_cast<int64_t>(items.size()), serial, [] { return Scratch<acc_t>(); },
@@ -316,11 +318,11 @@ void fwd_kernel(const Plan& p, const Shapes& sh, const scalar_t* xp, const scala
                            s.a.data() + i * I, h, h + I, I);
     }
     if (small)
-      gemm_nt_small<acc_t>(n, D, I, s.a.data(), I, dn, I, y_sorted.get() + item.r0 * D, D);
+      gemm_nt_small<acc_t>(n, D, I, s.a.data(), I, dn, I, y_sorted + item.r0 * D, D);
     else
-      gemm<acc_t>(false, true, n, D, I, s.a.data(), I, dn, I, acc_t(0), y_sorted.get() + item.r0 * D, D);
+      gemm<acc_t>(false, true, n, D, I, s.a.data(), I, dn, I, acc_t(0), y_sorted + item.r0 * D, D);
   });
-  gather_sum<scalar_t, acc_t>(p, y_sorted.get(), wts, D, outp);
+  gather_sum<scalar_t, acc_t>(p, y_sorted, wts, D, outp);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -480,10 +482,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bwd(const a
     at::Tensor dwts_acc = at::empty({p.N}, x.options().dtype(acc_type));
     at::Tensor dwgu_acc = direct ? dwgu : at::empty(dwgu.sizes(), x.options().dtype(acc_type));
     at::Tensor dwd_acc = direct ? dwd : at::empty(dwd.sizes(), x.options().dtype(acc_type));
-    const std::unique_ptr<acc_t[]> dx_sorted(new acc_t[p.N * sh.D]);  // every row written once
+    const Workspace dx_buf(p.N * sh.D * sizeof(acc_t));  // every row written once
+    acc_t* const dx_sorted = dx_buf.as<acc_t>();
     BwdArgs<scalar_t, acc_t> A{p, sh, xc.const_data_ptr<scalar_t>(), dc.const_data_ptr<scalar_t>(),
                                wgu.const_data_ptr<scalar_t>(), wd.const_data_ptr<scalar_t>(), w.const_data_ptr<acc_t>(),
-                               dwts_acc.data_ptr<acc_t>(), dx_sorted.get(), dwgu_acc.data_ptr<acc_t>(),
+                               dwts_acc.data_ptr<acc_t>(), dx_sorted, dwgu_acc.data_ptr<acc_t>(),
                                dwd_acc.data_ptr<acc_t>()};
     bwd_kernel<scalar_t, acc_t>(A, dx.data_ptr<scalar_t>());
     if constexpr (!direct) {

@@ -156,7 +156,8 @@ class MLAttention(nn.Module):
         # DSA over a selection that still covers much of the context (prefill
         # at a few times index_topk) attends in the expanded form too: see
         # expanded_is_cheaper. Same selection, same result; fewer FLOPs.
-        sparse_expanded = many and ctx.attn == "dsa" and not every_key and self.expanded_is_cheaper(S, ctx.q_start)
+        sparse_expanded = (many and ctx.attn == "dsa" and not every_key and x.device.type == "cpu"
+                           and self.expanded_is_cheaper(S, ctx.q_start))
         expanded = (every_key and many) or sparse_expanded
         with nvtx_range(f"layer{i}/attn/proj"):
             q_nope, q_rot, q_resid, kv = self.project(x, ctx.cos, ctx.sin)
@@ -179,6 +180,8 @@ class MLAttention(nn.Module):
             with nvtx_range(f"layer{i}/attn/core"):
                 if sparse_expanded:
                     out = self._sparse_expanded(q_nope, q_rot, keys, selection, ctx)
+                elif ctx.attn == "dsa" and x.device.type == "cpu":
+                    out = self._every_key_expanded(q_nope, q_rot, keys, ctx)
                 else:
                     out = self._dense_expanded(q_nope, q_rot, keys, ctx)    # [B,S,H,v]
             with nvtx_range(f"layer{i}/attn/out"):
@@ -216,29 +219,43 @@ class MLAttention(nn.Module):
                 return glm5_ops.indexer_topk(qi, wi, index_keys, topk, causal=True, q_start=ctx.q_start)
             return glm5_ops.topk_indices(scores, topk)
 
+    # Lane tiles (the CPU kernel's path for the expanded form) compute at ~3/4
+    # of the rate the gathered absorbed path reaches (184 against 235 GFLOP/s
+    # per selected or spanned pair on the 2-core Xeon, 8K prefill chunks).
+    LANE_RATE = 0.75
+
     def expanded_is_cheaper(self, S: int, q_start: int) -> bool:
-        """Whether DSA over S queries at q_start costs less in the expanded form.
-        Absorbed, each selected (query, key, head) costs kv_lora + rope + kv_lora
-        FMAs (544 in the small preset, 1088 in GLM-5); expanded, nope + rope + v
-        (160 / 512), but the CPU kernel then runs the block's whole span of keys
-        on lane tiles (it does when a block selected more than ~16% of it, MHA
-        having one head per kv head), and every key's latent is expanded first.
-        So the expanded form wins while the selection covers more than about
-        (nope + rope + v) / (2 kv_lora + rope) of the visible keys: 8K-token
-        prefill at top-2048 takes it for positions below ~6K."""
+        """Whether DSA over S queries at q_start costs less in the expanded form
+        on the CPU. Absorbed, each selected (query, key, head) costs kv_lora +
+        rope + kv_lora FMAs (544 in the small preset, 1088 in GLM-5), plus the
+        W_UK / W_UV products per query. Expanded, nope + rope + v (160 / 512),
+        but the kernel then runs each query block's whole span of keys on lane
+        tiles (it does once a block selected more than ~16% of its span, with
+        one head per kv head), and every visible key's latent is expanded
+        first. The expanded form wins while the selection covers most visible
+        keys: an 8K-token prefill at top-2048 takes it for positions 2K-4K."""
         topk, first, last = self.config.index_topk, q_start + 1, q_start + S   # query s sees q_start + s + 1 keys
         visible = (first + last) * S / 2                                         # causal (query, key) pairs
         below = max(0, min(last, topk) - first + 1)                              # queries seeing <= topk keys
         selected = (first + first + below - 1) * below / 2 + topk * (S - below)
         absorbed = selected * (2 * self.kv_lora + self.rope_dim) + S * self.kv_lora * (self.nope + self.v_dim)
-        expand = (q_start + S) * self.kv_lora * (self.nope + self.v_dim) / 2     # a GEMM: twice the kernel's rate
-        return visible * (self.nope + self.rope_dim + self.v_dim) + expand < absorbed
+        expanded = visible * (self.nope + self.rope_dim + self.v_dim) / self.LANE_RATE
+        return expanded + last * self.kv_lora * (self.nope + self.v_dim) < absorbed
 
     def _sparse_expanded(self, q_nope, q_rot, keys, selection, ctx):
         """DSA in the non-absorbed form: per-head K and V (expand), the same
         selection, sparse_attention with one kv head per query head. [B,S,H,v]."""
         q, k, v = self.expand(q_nope, q_rot, keys)
         return glm5_ops.sparse_attention(q, k, v, selection, scale=self.scale, causal=True, q_start=ctx.q_start)[0]
+
+    def _every_key_expanded(self, q_nope, q_rot, keys, ctx):
+        """DSA while its selection is every visible key, on the CPU: causal
+        attention in the expanded form on the block-sparse kernel over every
+        causal key block (no zero-padding of v as SDPA's flash kernel needs:
+        ~20% less time than _dense_expanded at 2K tokens). [B,S,H,v]"""
+        q, k, v = self.expand(q_nope, q_rot, keys)
+        mask = glm5_ops.BlockMask.causal(q.shape[1], k.shape[1], 64, q_start=ctx.q_start, device=q.device)
+        return glm5_ops.block_sparse_attention(q, k, v, mask, scale=self.scale, causal=True, q_start=ctx.q_start)[0]
 
     def _dense_expanded(self, q_nope, q_rot, keys, ctx):
         """The dense baseline for many queries, as FlashAttention runs MLA
