@@ -125,9 +125,22 @@ class MLAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        q_rot = apply_rope(q_rot, cos, sin)
+        if not torch.is_grad_enabled():     # roped in place: q_nope and q_rot stay views of one tensor (_joined)
+            q[..., self.nope:] = q_rot
+            q_rot = q[..., self.nope:]
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
         kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, cos, sin)], dim=-1)
-        return q_nope, apply_rope(q_rot, cos, sin), q_resid, kv
+        return q_nope, q_rot, q_resid, kv
+
+    @staticmethod
+    def _joined(q_nope, q_rot):
+        """[q_nope, q_rot] [B,S,H,nope+rope]: the tensor both are views of
+        (project under no_grad), else a concatenation."""
+        n = q_nope.shape[-1]
+        if q_rot.stride() == q_nope.stride() and q_rot.data_ptr() == q_nope.data_ptr() + n * q_nope.element_size():
+            return q_nope.as_strided((*q_nope.shape[:-1], n + q_rot.shape[-1]), q_nope.stride())
+        return torch.cat([q_nope, q_rot], dim=-1)
 
     def expand(self, q_nope, q_rot, keys):
         """The non-absorbed (per-head) form: q [B,S,H,nope+rope], k [B,T,H,nope+rope]
@@ -137,7 +150,7 @@ class MLAttention(nn.Module):
         latent, k_rot = keys.split([self.kv_lora, self.rope_dim], dim=-1)
         k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
         k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
-        return torch.cat([q_nope, q_rot], dim=-1), k, v
+        return self._joined(q_nope, q_rot), k, v
 
     def _absorb(self):
         """W_UK [H, nope, C] and W_UV [H, v, C] as views of kv_b_proj."""
@@ -162,7 +175,7 @@ class MLAttention(nn.Module):
         with nvtx_range(f"layer{i}/attn/proj"):
             q_nope, q_rot, q_resid, kv = self.project(x, ctx.cos, ctx.sin)
             if not expanded:
-                q = torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_rot], dim=-1)
+                q = self._absorb_queries(q_nope, q_rot, w_uk, ctx)
         index_key = None
         if self.indexer is not None and ctx.attn == "dsa":
             with nvtx_range(f"layer{i}/attn/indexer"):
@@ -195,6 +208,24 @@ class MLAttention(nn.Module):
         if ctx.attn != "block_sparse":            # block_sparse records its mask where it builds it
             ctx.record_selection(i, selection)
         return out, selection
+
+    def _absorb_queries(self, q_nope, q_rot, w_uk, ctx):
+        """[q_nope W_UK, q_rot] [B,S,H,C+r]. Without autograd, one batched
+        product per head into reused buffers: [q_nope, q_rot] times
+        [[W_UK, 0], [0, I]] carries q_rot through exactly (x*1 + 0s), so no
+        separate cat, and nothing over 32 MiB is allocated afresh."""
+        if torch.is_grad_enabled() or q_nope.shape[1] < DENSE_EXPANDED_MIN_QUERIES:
+            return torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_rot], dim=-1)
+        B, S, H, n = q_nope.shape
+        C, r = self.kv_lora, self.rope_dim
+        w = q_nope.new_zeros(H, n + r, C + r)
+        w[:, :n, :C] = w_uk
+        w[:, n:, C:] = torch.eye(r, dtype=w.dtype, device=w.device)
+        q_in = self._joined(q_nope, q_rot).transpose(1, 2)
+        by_head = ctx.scratch("absorbed_q_by_head", (B, H, S, C + r), q_nope.dtype, q_nope.device)
+        torch.matmul(q_in, w, out=by_head)
+        q = ctx.scratch("absorbed_q", (B, S, H, C + r), q_nope.dtype, q_nope.device)
+        return q.copy_(by_head.transpose(1, 2))
 
     @torch.no_grad()
     def _select(self, x, q_resid, index_keys, ctx):
@@ -448,6 +479,17 @@ class ForwardContext:
         positions = (q_start + torch.arange(S, device=device))[None].expand(B, S)
         self.cos, self.sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
         self.model = model
+        self._scratch = {}
+
+    def scratch(self, name: str, shape, dtype, device) -> torch.Tensor:
+        """An uninitialised buffer that every layer of this forward reuses (out=
+        targets under no_grad). A fresh tensor over 32 MiB is fresh mmap'd
+        memory, one page fault per 4 KiB on first touch: an absorbed 2K-token
+        chunk's q alone cost ~5 ms of faults per layer."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape != tuple(shape) or buf.dtype != dtype or buf.device != device:
+            buf = self._scratch[name] = torch.empty(shape, dtype=dtype, device=device)
+        return buf
 
     def causal_mask(self, T: int):
         """[S, T] bool, key t visible to query s (t <= q_start + s); built once per forward."""
