@@ -142,14 +142,23 @@ class MLAttention(nn.Module):
             return q_nope.as_strided((*q_nope.shape[:-1], n + q_rot.shape[-1]), q_nope.stride())
         return torch.cat([q_nope, q_rot], dim=-1)
 
-    def expand(self, q_nope, q_rot, keys):
+    def expand(self, q_nope, q_rot, keys, ctx=None):
         """The non-absorbed (per-head) form: q [B,S,H,nope+rope], k [B,T,H,nope+rope]
-        and v [B,T,H,v] from the latent keys [B,T,C+rope] through kv_b_proj."""
+        and v [B,T,H,v] from the latent keys [B,T,C+rope] through kv_b_proj.
+        Given ctx and no autograd, k and v land in the forward's reused buffers."""
         B, T, _ = keys.shape
-        H = self.n_heads
-        latent, k_rot = keys.split([self.kv_lora, self.rope_dim], dim=-1)
-        k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
-        k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, H, self.rope_dim)], dim=-1)
+        H, n, r, dv = self.n_heads, self.nope, self.rope_dim, self.v_dim
+        latent, k_rot = keys.split([self.kv_lora, r], dim=-1)
+        reuse = ctx is not None and not torch.is_grad_enabled()
+        kv = ctx.scratch("expanded_kv", (B, T, H * (n + dv)), keys.dtype, keys.device) if reuse else None
+        if reuse:
+            torch.matmul(latent, self.kv_b_proj.weight.t(), out=kv)
+        else:
+            kv = self.kv_b_proj(latent)
+        k_nope, v = kv.view(B, T, H, n + dv).split([n, dv], -1)
+        parts = [k_nope, k_rot[:, :, None].expand(B, T, H, r)]
+        k = torch.cat(parts, dim=-1, out=ctx.scratch("expanded_k", (B, T, H, n + r), keys.dtype, keys.device)) \
+            if reuse else torch.cat(parts, dim=-1)
         return self._joined(q_nope, q_rot), k, v
 
     def _absorb(self):
@@ -276,7 +285,7 @@ class MLAttention(nn.Module):
     def _sparse_expanded(self, q_nope, q_rot, keys, selection, ctx):
         """DSA in the non-absorbed form: per-head K and V (expand), the same
         selection, sparse_attention with one kv head per query head. [B,S,H,v]."""
-        q, k, v = self.expand(q_nope, q_rot, keys)
+        q, k, v = self.expand(q_nope, q_rot, keys, ctx)
         return glm5_ops.sparse_attention(q, k, v, selection, scale=self.scale, causal=True, q_start=ctx.q_start)[0]
 
     def _every_key_expanded(self, q_nope, q_rot, keys, ctx):
@@ -284,7 +293,7 @@ class MLAttention(nn.Module):
         attention in the expanded form on the block-sparse kernel over every
         causal key block (no zero-padding of v as SDPA's flash kernel needs:
         ~20% less time than _dense_expanded at 2K tokens). [B,S,H,v]"""
-        q, k, v = self.expand(q_nope, q_rot, keys)
+        q, k, v = self.expand(q_nope, q_rot, keys, ctx)
         mask = glm5_ops.BlockMask.causal(q.shape[1], k.shape[1], 64, q_start=ctx.q_start, device=q.device)
         return glm5_ops.block_sparse_attention(q, k, v, mask, scale=self.scale, causal=True, q_start=ctx.q_start)[0]
 
@@ -295,7 +304,7 @@ class MLAttention(nn.Module):
         3.4x fewer FLOPs per (query, key, head) than the absorbed form, for
         T x kv_lora x H x (nope + v) to expand."""
         T = keys.shape[1]
-        q, k, v = self.expand(q_nope, q_rot, keys)
+        q, k, v = self.expand(q_nope, q_rot, keys, ctx)
         # torch's CPU flash kernel needs one head size for q, k and v (else SDPA
         # takes the math path, [B,H,S,T] in memory and ~8x slower): zero-pad the
         # smaller side, which changes neither scores nor outputs.
@@ -349,7 +358,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # In place: two fewer [tokens, intermediate] tensors (23 MiB each at a
+        # 2K-token chunk of the small preset), each faulted in afresh.
+        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
 
 
 class Router(nn.Module):
