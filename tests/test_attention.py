@@ -161,6 +161,16 @@ def test_cpu_sparse_forward_chooses_lane_blocks_by_density(monkeypatch):
     assert torch.equal(run("auto", 1, 300), run("always", 1, 300))
     assert not torch.equal(run("auto", 1, 300), run("never", 1, 300))
     assert torch.equal(run("auto", 16, 60), run("never", 16, 60))
+    # A selection listing a key twice stays on the gathered path, which counts it
+    # twice like the reference (the indexer never produces one).
+    monkeypatch.setenv("GLM5_SPARSE_LANE_BLOCKS", "always")
+    q, k, v = qkv(1, 64, 90, 4, 4, 32, 32, torch.float32, 8)
+    idx = random_selection(1, 64, 90, 40, 8, 0.0)
+    idx[:, :, 1] = idx[:, :, 0]
+    with glm5_ops.use_backend("cpp"):
+        ours = glm5_ops.sparse_attention(q, k, v, idx, causal=False)
+    ref = R.sparse_attention(q, k, v, idx, scale=32 ** -0.5, causal=False)
+    assert rel_err(ours[0], ref[0]) <= 1e-5
     monkeypatch.setenv("GLM5_SPARSE_LANE_BLOCKS", "sometimes")
     with pytest.raises(RuntimeError, match="GLM5_SPARSE_LANE_BLOCKS"):
         run("sometimes", 1, 300)

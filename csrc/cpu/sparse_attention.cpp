@@ -287,13 +287,19 @@ bool plan_lane_block(const AttentionInputs& in, const LaneBlocks& lb, const int3
   for (int64_t r = 0; r < Mp; ++r)
     span_pairs += causal ? std::clamp<int64_t>(first + r - lo + 1, 0, hi - lo + 1) : hi - lo + 1;
   if (selected < lb.min_density * span_pairs) return false;
-  blk.b = b, blk.s0 = s0, blk.M = M, blk.lo = lo, blk.hi = hi;
   blk.bits.assign(hi - lo + 1, 0);
   for (int64_t r = 0; r < M; ++r) {
     const int32_t* kr = keys.data() + r * topk;
-    for (int64_t j = 0; j < count[r]; ++j) blk.bits[kr[j] - lo] |= uint64_t{1} << r;
-    done[b * in.S + s0 + r] = 1;
+    for (int64_t j = 0; j < count[r]; ++j) {
+      uint64_t& word = blk.bits[kr[j] - lo];
+      // A key listed twice counts twice on the gathered path (like the
+      // reference); a bit cannot, so such a block stays gathered.
+      if (word >> r & 1) return blk.bits.clear(), false;
+      word |= uint64_t{1} << r;
+    }
   }
+  blk.b = b, blk.s0 = s0, blk.M = M, blk.lo = lo, blk.hi = hi;
+  std::fill(done + b * in.S + s0, done + b * in.S + s0 + M, uint8_t{1});
   return true;
 }
 
