@@ -10,10 +10,11 @@
 // attention_tiles.h, which read k and v rows in place (no gather copy for
 // fp32; v may alias k, as in MLA's absorbed form). Nothing of size T per
 // query exists: scratch is O(G * kTile + G * D) per query of a work item.
-// The forward's work item is a block of queries that sweep their selected
-// keys together, chunk of positions by chunk (KeyBlocking), so rows chosen by
-// several queries of the block are fetched from L3 once; the backward's is one
-// query.
+// A work item (forward and backward) is a block of queries that sweep their
+// selected keys together, chunk of positions by chunk (KeyBlocking), so rows
+// chosen by several queries of the block are fetched from L3 once. Forward
+// query blocks whose selections cover most of their span of keys run on lane
+// tiles instead (LaneBlocks, lane_tiles.h).
 //
 // Backward recomputes P from the saved lse (FlashAttention-2):
 //   dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K,

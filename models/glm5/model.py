@@ -150,15 +150,13 @@ class MLAttention(nn.Module):
         H, n, r, dv = self.n_heads, self.nope, self.rope_dim, self.v_dim
         latent, k_rot = keys.split([self.kv_lora, r], dim=-1)
         reuse = ctx is not None and not torch.is_grad_enabled()
-        kv = ctx.scratch("expanded_kv", (B, T, H * (n + dv)), keys.dtype, keys.device) if reuse else None
-        if reuse:
-            torch.matmul(latent, self.kv_b_proj.weight.t(), out=kv)
-        else:
-            kv = self.kv_b_proj(latent)
+
+        def out(name, shape):    # where a result goes: a reused buffer, or a new tensor (None)
+            return ctx.scratch(name, shape, keys.dtype, keys.device) if reuse else None
+
+        kv = torch.matmul(latent, self.kv_b_proj.weight.t(), out=out("expanded_kv", (B, T, H * (n + dv))))
         k_nope, v = kv.view(B, T, H, n + dv).split([n, dv], -1)
-        parts = [k_nope, k_rot[:, :, None].expand(B, T, H, r)]
-        k = torch.cat(parts, dim=-1, out=ctx.scratch("expanded_k", (B, T, H, n + r), keys.dtype, keys.device)) \
-            if reuse else torch.cat(parts, dim=-1)
+        k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, H, r)], dim=-1, out=out("expanded_k", (B, T, H, n + r)))
         return self._joined(q_nope, q_rot), k, v
 
     def _absorb(self):
