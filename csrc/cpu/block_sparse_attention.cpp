@@ -49,18 +49,6 @@ struct Scratch {
         qt(in.Dk * Mp), dot(in.Dv * Mp), s(kTile * Mp), dp(kTile * Mp), lse(Mp), delta(Mp), dqb(bs * in.Dk) {}
 };
 
-// Prefetches the k and v rows of key block j (kv head g) into L2 while the
-// current block computes: a head's rows sit Hkv*D apart, too sparse for the
-// hardware prefetcher to run ahead of the products.
-void prefetch_block(const BlockProblem& P, int64_t b, int64_t g, int64_t j) {
-  const AttentionInputs& in = P.in;
-  const int64_t t0 = j * P.bs, t1 = std::min(in.T, t0 + P.bs);
-  for (int64_t t = t0; t < t1; ++t) {
-    tiles::prefetch_row(in.krow(b, t, g), in.Dk);
-    tiles::prefetch_row(in.vrow(b, t, g), in.Dv);
-  }
-}
-
 // Prefetches the query rows of `item` (b, h, query block), one head's slice
 // of each row, Hq*Dk apart: fetched on demand they stall the transposition.
 void prefetch_queries(const BlockProblem& P, int64_t item) {
@@ -80,7 +68,10 @@ void for_each_tile(const BlockProblem& P, int64_t b, int64_t h, int64_t i, int64
   for (int64_t e = 0; e < P.num[row]; ++e) {
     const int64_t j = P.idx[row * P.Wd + e];
     const int64_t end = std::min(in.T, (j + 1) * P.bs);
-    if (e + 1 < P.num[row]) prefetch_block(P, b, h / in.G, P.idx[row * P.Wd + e + 1]);
+    if (e + 1 < P.num[row]) {  // the next key block's rows, while this one computes
+      const int64_t next = P.idx[row * P.Wd + e + 1] * P.bs;
+      lanes::prefetch_positions(in, b, h / in.G, next, std::min(in.T, next + P.bs));
+    }
     for (int64_t t0 = j * P.bs; t0 < end; t0 += kTile) {
       if (P.causal && t0 > last) break;
       const int64_t nt = std::min(kTile, end - t0);

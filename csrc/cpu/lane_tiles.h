@@ -46,6 +46,16 @@ struct LaneState {
   }
 };
 
+// Prefetches the k and v rows of positions [t0, t1) of kv head g into L2
+// while the current tile computes: a head's rows sit Hkv * D apart in the
+// usual [B,T,Hkv,D] layout, too sparse for the hardware prefetcher.
+inline void prefetch_positions(const AttentionInputs& in, int64_t b, int64_t g, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    tiles::prefetch_row(in.krow(b, t, g), in.Dk);
+    tiles::prefetch_row(in.vrow(b, t, g), in.Dv);
+  }
+}
+
 // On a tile that crosses the diagonal, the queries [r, r_end) see only keys
 // j < keys_seen(...) of the tile (off = position of lane 0 - position of key
 // 0): the products stop there, which skips the upper triangle at the

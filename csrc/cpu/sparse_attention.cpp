@@ -14,7 +14,7 @@
 // selected keys together, chunk of positions by chunk (KeyBlocking), so rows
 // chosen by several queries of the block are fetched from L3 once. Forward
 // query blocks whose selections cover most of their span of keys run on lane
-// tiles instead (LaneBlocks, lane_tiles.h).
+// tiles instead (lane blocks, lane_tiles.h).
 //
 // Backward recomputes P from the saved lse (FlashAttention-2):
 //   dP = dO V^T, dS = P * (dP - rowsum(dO * O)), dQ = scale * dS K,
@@ -243,22 +243,20 @@ void softmax_grad_tile(Scratch& sc, int64_t nt, const float* lse, const float* d
 // the gathered path relative to lane tiles on this 2-core Xeon (Dk = 96,
 // Dv = 64, T = 4K): 0.16 at G = 1, 0.3 at 2, 0.5 at 4, 0.58 at 8, 0.9 at 16;
 // a block goes to lane tiles when the fraction of its span's (query, key)
-// pairs it selected is above that. GLM5_SPARSE_LANE_BLOCKS=always / never
+// pairs it selected is above that (lane_min_density). GLM5_SPARSE_LANE_BLOCKS=always / never
 // forces the choice (tests cover both paths on every shape).
 constexpr int64_t kLaneQueries = 64;  // queries per lane block: one uint64_t of lanes per key
 
-struct LaneBlocks {
-  double min_density = 2.0;                // > 1: never
-  explicit LaneBlocks(const AttentionInputs& in) {
-    const char* env = std::getenv("GLM5_SPARSE_LANE_BLOCKS");
-    const std::string mode = env ? env : "auto";
-    TORCH_CHECK(mode == "auto" || mode == "always" || mode == "never",
-                "GLM5_SPARSE_LANE_BLOCKS must be auto, always or never, got '", mode, "'");
-    if (mode == "always") min_density = 0.0;
-    if (mode == "auto" && in.S > 1)
-      min_density = in.G >= 16 ? 0.9 : in.G >= 8 ? 0.58 : in.G >= 4 ? 0.5 : in.G >= 2 ? 0.3 : 0.16;
-  }
-};
+// The fraction of a block's span it must select to run on lane tiles (> 1: never).
+double lane_min_density(const AttentionInputs& in) {
+  const char* env = std::getenv("GLM5_SPARSE_LANE_BLOCKS");
+  const std::string mode = env ? env : "auto";
+  TORCH_CHECK(mode == "auto" || mode == "always" || mode == "never",
+              "GLM5_SPARSE_LANE_BLOCKS must be auto, always or never, got '", mode, "'");
+  if (mode == "always") return 0.0;
+  if (mode == "never" || in.S == 1) return 2.0;
+  return in.G >= 16 ? 0.9 : in.G >= 8 ? 0.58 : in.G >= 4 ? 0.5 : in.G >= 2 ? 0.3 : 0.16;
+}
 
 // A query block that runs on lane tiles: queries s0 .. s0 + M of batch b,
 // the span [lo, hi] of keys they chose, and bit r of bits[t - lo] set when
@@ -268,9 +266,9 @@ struct LaneBlock {
   std::vector<uint64_t> bits;
 };
 
-// Whether block (b, s0, M) is dense enough for lane tiles (see LaneBlocks);
-// if so fills blk and marks its queries done. keys: M * topk ints of scratch.
-bool plan_lane_block(const AttentionInputs& in, const LaneBlocks& lb, const int32_t* idx, int64_t topk, bool causal,
+// Whether block (b, s0, M) selected at least min_density of its span (see
+// lane_min_density); if so fills blk and marks its queries done. keys: M * topk ints of scratch.
+bool plan_lane_block(const AttentionInputs& in, double min_density, const int32_t* idx, int64_t topk, bool causal,
                      int64_t b, int64_t s0, int64_t M, std::vector<int32_t>& keys, LaneBlock& blk, uint8_t* done) {
   const int64_t first = in.q_start[b] + s0;
   int64_t lo = in.T, hi = -1, selected = 0, count[kLaneQueries];
@@ -287,7 +285,7 @@ bool plan_lane_block(const AttentionInputs& in, const LaneBlocks& lb, const int3
   double span_pairs = 0;
   for (int64_t r = 0; r < Mp; ++r)
     span_pairs += causal ? std::clamp<int64_t>(first + r - lo + 1, 0, hi - lo + 1) : hi - lo + 1;
-  if (selected < lb.min_density * span_pairs) return false;
+  if (selected < min_density * span_pairs) return false;
   blk.bits.assign(hi - lo + 1, 0);
   for (int64_t r = 0; r < M; ++r) {
     const int32_t* kr = keys.data() + r * topk;
@@ -323,12 +321,7 @@ void run_lane_head(const AttentionInputs& in, const LaneBlock& blk, int64_t h, b
     for (int64_t j = 0; j < nt; ++j) any |= bits[j];
     if (!any) continue;
     for (int64_t j = 0; j < nt; ++j) sc.krows[j] = in.krow(b, t0 + j, g), sc.vrows[j] = in.vrow(b, t0 + j, g);
-    // The next tile's rows into L2 meanwhile: a head's rows sit Hkv * D
-    // apart, too sparse for the hardware prefetcher (as in block-sparse).
-    for (int64_t t = t0 + kTile; t < std::min(blk.hi + 1, t0 + 2 * kTile); ++t) {
-      tiles::prefetch_row(in.krow(b, t, g), in.Dk);
-      tiles::prefetch_row(in.vrow(b, t, g), in.Dv);
-    }
+    lanes::prefetch_positions(in, b, g, t0 + kTile, std::min(blk.hi + 1, t0 + 2 * kTile));  // the next tile
     // Selections hold no future key, so the diagonal's triangle is skipped as in block-sparse.
     const bool diagonal = causal && t0 + nt - 1 > first;
     lanes::attend_tile(sc.st, M, sc.krows.data(), sc.vrows.data(), nt, in.Dk, in.Dv, diagonal, first - t0,
@@ -345,13 +338,13 @@ void run_lane_head(const AttentionInputs& in, const LaneBlock& blk, int64_t h, b
 std::vector<uint8_t> run_lane_blocks(const AttentionInputs& in, const int32_t* idx, int64_t topk, bool causal,
                                      float scale, float* op, float* lp) {
   std::vector<uint8_t> done(in.B * in.S, 0);
-  const LaneBlocks lb(in);
-  if (lb.min_density > 1.0) return done;
+  const double min_density = lane_min_density(in);
+  if (min_density > 1.0) return done;
   const int64_t per_batch = (in.S + kLaneQueries - 1) / kLaneQueries;
   std::vector<LaneBlock> blocks(in.B * per_batch);
   parallel_dynamic(in.B * per_batch, [&] { return std::vector<int32_t>(kLaneQueries * topk); }, [&](int64_t item, auto& keys) {
     const int64_t b = item / per_batch, s0 = item % per_batch * kLaneQueries;
-    plan_lane_block(in, lb, idx, topk, causal, b, s0, std::min(kLaneQueries, in.S - s0), keys, blocks[item],
+    plan_lane_block(in, min_density, idx, topk, causal, b, s0, std::min(kLaneQueries, in.S - s0), keys, blocks[item],
                     done.data());
   });
   // Drop the blocks left to the gathered path; the largest (the last, under causality) first.
@@ -384,6 +377,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
   float* lp = lse.data_ptr<float>();
   const float sc_f = static_cast<float>(scale);
 
+  // Dense query blocks first (lane blocks); the rest below skips what they did.
+  const std::vector<uint8_t> done = run_lane_blocks(in, idx, topk, causal, sc_f, op, lp);
   // Key-range blocking: a work item is a block of QB consecutive queries, and
   // their selected keys are swept in chunks of consecutive positions sized to
   // stay in L2 (KeyBlocking), every query of the block taking its keys in the
@@ -391,8 +386,6 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
   // state across chunks. A selected row is then fetched from L3 once per
   // block instead of once per query that chose it: at the bench shape
   // (T = 16K, topk = 1K) each row serves ~QB/16 queries of a block.
-  // Dense query blocks first (LaneBlocks); the rest below skips what they did.
-  const std::vector<uint8_t> done = run_lane_blocks(in, idx, topk, causal, sc_f, op, lp);
   const KeyBlocking kb(in);
   const int64_t QB = kb.queries, C = kb.chunks, n_blocks = (in.S + QB - 1) / QB;
   parallel_dynamic(in.B * n_blocks, [&] { return Scratch(in, topk * QB, QB, C); }, [&](int64_t item, Scratch& sc) {
@@ -414,13 +407,15 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
           attend_tile(sc, nt, Dv, o, m, l);
         }
       });
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t h = 0; h < G && !done[b * in.S + s0 + i]; ++h) {
+      for (int64_t i = 0; i < nq; ++i) {
+        if (done[b * in.S + s0 + i]) continue;  // written by its lane block
+        for (int64_t h = 0; h < G; ++h) {
           const int64_t row = (b * in.S + s0 + i) * in.Hq + g * G + h;
           const float li = sc.l[i * L.Gp + h], inv = li > 0.f ? 1.f / li : 0.f;
           for (int64_t d = 0; d < Dv; ++d) op[row * Dv + d] = sc.o[(i * G + h) * Dv + d] * inv;
           lp[row] = li > 0.f ? sc.m[i * L.Gp + h] + std::log(li) : kNegInf;
         }
+      }
     }
   });
   return {to_dtype(out, q.scalar_type()), lse};
