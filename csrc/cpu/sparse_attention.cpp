@@ -388,7 +388,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
   // (T = 16K, topk = 1K) each row serves ~QB/16 queries of a block.
   const KeyBlocking kb(in);
   const int64_t QB = kb.queries, C = kb.chunks, n_blocks = (in.S + QB - 1) / QB;
-  parallel_dynamic(in.B * n_blocks, [&] { return Scratch(in, topk * QB, QB, C); }, [&](int64_t item, Scratch& sc) {
+  parallel_dynamic(in.B * n_blocks, [&] { return Scratch(in, topk, QB, C); }, [&](int64_t item, Scratch& sc) {
     const int64_t b = item / n_blocks, s0 = item % n_blocks * QB, nq = std::min(QB, in.S - s0);
     if (std::all_of(&done[b * in.S + s0], &done[b * in.S + s0] + nq, [](uint8_t d) { return d; })) return;
     const Layout& L = sc.lay;
@@ -450,7 +450,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
   struct BwdScratch : Scratch {
     float *dk, *dv;
     BwdScratch(const AttentionInputs& in, int64_t topk, int64_t QB, int64_t C, KVGradBuffers& g)
-        : Scratch(in, topk * QB, QB, C) {
+        : Scratch(in, topk, QB, C) {
       std::tie(dk, dv) = g.claim();
     }
   };
