@@ -110,6 +110,9 @@ def main(argv=None) -> int:
         changes = {"index_topk": args.index_topk} if args.index_topk else {}
         print(f"[bench] writing a random {args.preset} checkpoint {changes or ''}", flush=True)
         write_checkpoint(args.preset, ckpt, **changes)
+        # Flush the new checkpoint to disk now: else the kernel writes its ~1.6 GB back
+        # (30 s after the write) in the middle of the first measurement, ours.
+        os.sync()
         impls = ["ours"] + ([] if args.skip_transformers else ["transformers"])
         plan = [(impl, "prefill", args.prefill, 0) for impl in impls if args.prefill]
         plan += [(impl, "decode", args.decode_context, args.decode_steps) for impl in impls
