@@ -84,6 +84,7 @@ SPARSE_CASES = [
     (1, 2, 80, 64, 1, 576, 512, 65, True, True),     # MLA absorbed: Hq=64, v = k[..., :512]
     (1, 4, 21, 1, 1, 64, 64, 21, True, False),       # Hq=1, topk = T
     (2, 6, 40, 20, 5, 24, 8, 9, True, False),        # G=4 with an odd Hq, tiny D
+    (1, 9, 120, 14, 1, 96, 128, 40, True, False),    # G=14: the P.V product's 6-, 4- and 2-row blocks
     # Long T: the CPU forward sweeps keys in chunks of 256 positions (rows of
     # 2304 bytes) over blocks of up to 10 queries; MQA and GQA 4.
     (2, 41, 700, 16, 1, 576, 512, 300, True, True),
