@@ -37,6 +37,7 @@ inline void check_indexer_args(const at::Tensor& q, const at::Tensor& w, const a
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have the dtype of q (", q.scalar_type(), "), got ",
               k.scalar_type());
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3);
+  TORCH_CHECK(H >= 1, "q must have at least one head (H >= 1), got shape ", q.sizes());
   TORCH_CHECK(w.size(0) == B && w.size(1) == S && w.size(2) == H, "w must have shape [B,S,H] = [", B, ",", S, ",", H,
               "], got ", w.sizes());
   TORCH_CHECK(k.size(0) == B && k.size(2) == D, "k must have shape [B,T,D] = [", B, ",T,", D, "], got ", k.sizes());

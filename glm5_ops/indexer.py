@@ -22,6 +22,8 @@ from ._backend import cpp_ops, dispatch, triton_module
 def _check_indexer_inputs(q, w, k, q_start):
     check.tensor(q, "q", "[B,S,H,D]", rank=4)
     B, S, H, D = q.shape
+    if H < 1:
+        raise ValueError(f"q must have shape [B,S,H,D] with H >= 1, got shape {tuple(q.shape)}")
     check.tensor(w, "w", f"[B,S,H]=[{B},{S},{H}]", rank=3)
     check.tensor(k, "k", f"[B,T,D]=[{B},T,{D}]", rank=3)
     if tuple(w.shape) != (B, S, H):

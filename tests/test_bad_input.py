@@ -21,6 +21,7 @@ q, w, k = fresh(2, 5, 4, 16), fresh(2, 5, 4), fresh(2, 30, 16)
     ((q, w, k[..., :8]), r"k must have shape .* D=16"),
     ((q, w, k.half()), r"k must have the dtype of q"),
     ((q.int(), w, k.int()), r"q must have dtype"),
+    ((q[:, :, :0], w[:, :, :0], k), r"q must have shape \[B,S,H,D\] with H >= 1"),  # the kernels divide by H
 ])
 def test_indexer_bad_shapes(backend, fn, args, match):
     extra = (3,) if fn == "indexer_topk" else ()
@@ -78,11 +79,32 @@ def test_cpp_ops_guard_direct_calls():
         ops.indexer_topk(q, w[:, :3], k, 3, True, None)
     with pytest.raises(RuntimeError, match=r"scores must be fp32, fp16 or bf16"):
         ops.topk_indices(torch.arange(10, device=DEVICE), 2, False)
+    with pytest.raises(RuntimeError, match=r"at least one head"):  # was SIGFPE
+        ops.indexer_scores(q[:, :, :0], w[:, :, :0], k, True, None)
     if DEVICE.type == "cpu":  # the CPU kernel buckets keys by position: it must refuse any past T
         qa, ka = fresh(1, 4, 16, 64), fresh(1, 10, 1, 64)
         idx = torch.tensor([[[0, 1, 12]] * 4], dtype=torch.int32)
         with pytest.raises(RuntimeError, match=r"key positions in \[0, T=10\), got 12"):
             ops.sparse_attention_fwd(qa, ka, ka, idx, 0.125, False, None)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA kernel skips such entries (no host sync)")
+@pytest.mark.parametrize("num, first, match", [
+    (1, -1, r"key blocks in \[0, 3\), got -1"),     # would read the 8 rows before k
+    (1, 3, r"key blocks in \[0, 3\), got 3"),
+    (3, 0, r"kv_num_blocks entries must be in \[0, maxKV=2\], got 3"),  # would read past the row
+])
+def test_cpp_block_sparse_guards_direct_calls(num, first, match):
+    ops = torch.ops.glm5
+    q, k = fresh(1, 16, 2, 32), fresh(1, 20, 2, 32)
+    kv_num = torch.full((1, 2, 2), 1, dtype=torch.int32)
+    kv_idx = torch.zeros(1, 2, 2, 2, dtype=torch.int32)
+    kv_num[0, 1, 1], kv_idx[0, 1, 1, 0] = num, first
+    with pytest.raises(RuntimeError, match=match):
+        ops.block_sparse_attention_fwd(q, k, k, kv_num, kv_idx, 8, 0.125, False, None)
+    out, lse = fresh(1, 16, 2, 32), fresh(1, 16, 2)
+    with pytest.raises(RuntimeError, match=match):
+        ops.block_sparse_attention_bwd(out, q, k, k, kv_num, kv_idx, out, lse, 8, 0.125, False, None)
 
 
 def test_missing_kernel_is_not_implemented():

@@ -37,6 +37,24 @@ struct BlockProblem {
   bool causal;
 };
 
+// The entries the kernel will read: a direct torch.ops call bypasses the
+// Python API's checks, and a negative block or a count past W would read
+// outside k, v or kv_indices. One pass over the mask, negligible beside the
+// attention. (The CUDA kernel skips such entries instead: checking there
+// would cost a device-to-host sync per call.)
+void check_mask_entries(const BlockProblem& P) {
+  const int64_t rows = P.in.B * P.in.Hq * P.Qb, Qk = (P.in.T + P.bs - 1) / P.bs;
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t n = P.num[row];
+    TORCH_CHECK(n >= 0 && n <= P.Wd, "kv_num_blocks entries must be in [0, maxKV=", P.Wd, "], got ", n);
+    for (int64_t e = 0; e < n; ++e) {
+      const int64_t j = P.idx[row * P.Wd + e];
+      TORCH_CHECK(j >= 0 && j < Qk, "kv_indices: the first kv_num_blocks entries of each row must be key blocks in [0, ",
+                  Qk, "), got ", j);
+    }
+  }
+}
+
 // The backward's buffers (the forward's are lanes::LaneState).
 struct Scratch {
   int64_t Mp;
@@ -90,6 +108,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd_cpu(
   const AttentionInputs in(q, k, v, q_start);
   const BlockProblem P{in, kv_num_blocks.const_data_ptr<int32_t>(), kv_indices.const_data_ptr<int32_t>(), block_size,
                        kv_num_blocks.size(2), kv_indices.size(3), causal};
+  check_mask_entries(P);
   const int64_t Dk = in.Dk, Dv = in.Dv;
   at::Tensor out = at::empty({in.B, in.S, in.Hq, Dv}, q.options().dtype(at::kFloat));
   at::Tensor lse = at::empty({in.B, in.S, in.Hq}, q.options().dtype(at::kFloat));
@@ -133,6 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_attention_bwd_cpu(
   const AttentionInputs in(q, k, v, q_start);
   const BlockProblem P{in, kv_num_blocks.const_data_ptr<int32_t>(), kv_indices.const_data_ptr<int32_t>(), block_size,
                        kv_num_blocks.size(2), kv_indices.size(3), causal};
+  check_mask_entries(P);
   const int64_t Dk = in.Dk, Dv = in.Dv, items = in.B * in.Hq * P.Qb;
   const at::Tensor do32 = dout.to(at::kFloat).contiguous(), o32 = out.to(at::kFloat).contiguous();
   const at::Tensor lse_c = lse.contiguous();
