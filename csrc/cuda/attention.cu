@@ -15,6 +15,8 @@
 // Causal masking is per (row, key): key t counts for row r iff t <= hz0 + r*hstep
 // (hstep = 0 for sparse, 1 for block-sparse). -1 indices, keys past T, keys past
 // the unit's last horizon and bad block entries never load (zero-filled rows).
+// Entries outside [-1, T) are skipped here without a host sync (the CPU kernels
+// raise; the Python API rejects them before either runs).
 //
 // Forward, fp16/bf16 (fwd_mma): 8 warps, M = 16*MT rows (MT 1 or 4), key tiles
 // of 64 gathered rows copied into shared memory with cp.async (16-byte chunks,
@@ -807,11 +809,13 @@ Problem make_problem(const char* op, const at::Tensor& q, const at::Tensor& k, c
   p.causal = causal;
   if (q_start.has_value()) pr.q_start = q_start->to(q.device(), at::kLong).contiguous();
   p.q_start = pr.q_start.defined() ? pr.q_start.const_data_ptr<int64_t>() : nullptr;
-  p.alias = v.data_ptr() == k.data_ptr() && p.v_sb == p.k_sb && p.v_st == p.k_st && p.v_sh == p.k_sh &&
-            p.Dv <= p.Dk;
+  // const pointers: data_ptr() would materialise a lazily cloned storage
+  p.alias = p.v == p.k && p.v_sb == p.k_sb && p.v_st == p.k_st && p.v_sh == p.k_sh && p.Dv <= p.Dk;
   p.vec_q = aligned16(p.q) && p.Dk % 8 == 0;
-  p.vec_k = aligned16(p.k) && p.k_sb % 8 == 0 && p.k_st % 8 == 0 && p.k_sh % 8 == 0;
-  p.vec_v = aligned16(p.v) && p.v_sb % 8 == 0 && p.v_st % 8 == 0 && p.v_sh % 8 == 0;
+  // a size-1 dimension is only indexed at 0: its stride never enters an address
+  const auto ok8 = [](int64_t size, int64_t stride) { return size == 1 || stride % 8 == 0; };
+  p.vec_k = aligned16(p.k) && ok8(p.B, p.k_sb) && ok8(p.T, p.k_st) && ok8(p.Hkv, p.k_sh);
+  p.vec_v = aligned16(p.v) && ok8(p.B, p.v_sb) && ok8(p.T, p.v_st) && ok8(p.Hkv, p.v_sh);
   return pr;
 }
 
@@ -905,6 +909,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(Problem& pr, const at::T
   at::Tensor dk_ws = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
   at::Tensor dv_ws = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
   if (p.B * p.S * p.Hq > 0) {
+    at::globalContext().alertNotDeterministic(pr.op);  // dk/dv: fp32 atomicAdd, order varies run to run
     p.dout = dout_c.const_data_ptr();
     p.o = out_c.const_data_ptr();
     p.lse_in = lse_c.const_data_ptr<float>();
