@@ -920,7 +920,9 @@ def quantize_groupwise(x, bits, group_size=128, stochastic=False, generator=None
         empty = torch.zeros(0, dtype=torch.float32, device=x.device)
         return torch.zeros(0, dtype=torch.uint8, device=x.device), empty, empty.clone()
     zero = xg.amin(1)
-    scale = (xg.amax(1) - zero) / levels
+    # A tensor divisor: on CUDA `tensor / python_number` runs as tensor * fl(1/number),
+    # one more rounding than the kernels' exact division (the CPU divides either way).
+    scale = (xg.amax(1) - zero) / torch.full_like(zero, levels)
     has_range = scale > 0
     v = (xg - zero[:, None]) / torch.where(has_range, scale, torch.ones_like(scale))[:, None]
     v = torch.where(has_range[:, None], v, torch.zeros_like(v))

@@ -5,8 +5,9 @@
 // (8/bits codes each), so every byte is written once, with no atomics.
 // dequantize: one thread per packed byte writes its 8/bits outputs straight in
 // the requested dtype. Arithmetic uses the _rn intrinsics so --use_fast_math
-// does not change the results: codes match the reference (and the CPU and
-// Triton kernels) bit for bit; stochastic rounding uses the counter-based
+// does not change the rounding: codes match the reference (and the CPU and
+// Triton kernels) bit for bit, except that fast-math flushes fp32 subnormals
+// (groups whose values or range are below ~1e-38 quantise to 0); stochastic rounding uses the counter-based
 // hash of quantize_common.h, the same u as the CPU and Triton kernels.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
