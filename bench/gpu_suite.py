@@ -978,7 +978,8 @@ def main():
 
 MOE_CASES = [  # (T, E, k, D, I, ids): decode at E=256, odd D/I, one expert with every token,
     (1, 256, 8, 64, 32, "random"), (37, 16, 4, 96, 40, "random"), (33, 12, 3, 40, 24, "one"),
-    (300, 8, 2, 512, 256, "random"), (64, 128, 12, 128, 64, "few"), (5, 6, 1, 7, 5, "random")]
+    (300, 8, 2, 512, 256, "random"), (64, 128, 12, 128, 64, "few"), (5, 6, 1, 7, 5, "random"),
+    (64, 256, 8, 512, 256, "few")]  # bf16 grouped GEMM with 253 idle experts (small 16-bit calls run in fp32)
 MOE_ROUTES = [(256, 8, 4, 8), (256, 1, 1, 8), (128, 1, 1, 12), (16, 1, 1, 1), (6, 3, 2, 3)]
 MOE_BENCH = (16384, 256, 8, 6144, 2048)  # T, E, k, D, I (GLM-5's routed experts, one 16K-token batch)
 

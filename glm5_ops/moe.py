@@ -178,6 +178,9 @@ def fused_moe(x, w_gate_up, w_down, weights, ids):
     weights [T, k] (moe_route's mixing weights); ids int32/int64 [T, k] in [0, E).
     Returns [T, D] in x.dtype, computed in fp32 (float64 for float64):
         out[t] = sum_j weights[t, j] * swiglu_expert(x[t], w_gate_up[ids[t, j]], w_down[ids[t, j]])
+    except on CUDA in fp16/bf16 above a small size, where the tensor-core GEMMs take
+    16-bit inputs: gate/up, h and y (and the backward's intermediates) are rounded
+    to x.dtype between them, as transformers' expert loop does.
     An expert may get no token, and a token may pick one expert twice.
     Differentiable in x, w_gate_up, w_down and weights."""
     check.tensor(x, "x", "[T,D]", rank=2, dtypes=MOE_FLOAT_DTYPES)
