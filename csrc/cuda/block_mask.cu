@@ -57,9 +57,10 @@ __global__ void pool_kernel(const T* __restrict__ x, float* __restrict__ out, in
     const T* px = x + ((b * N + r0) * H + h) * D + d;
     for (int64_t r = r0; r < r1; ++r, px += H * D) {
       const float v = to_float(*px);
-      acc = mode == 0 ? acc + v : (mode == 1 ? fmaxf(acc, v) : fminf(acc, v));
+      // NaN propagates, as in the reference's amax/amin (fmaxf/fminf would drop it)
+      acc = mode == 0 ? acc + v : (mode == 1 ? ((v > acc || v != v) ? v : acc) : ((v < acc || v != v) ? v : acc));
     }
-    out[o] = mode == 0 ? acc / static_cast<float>(r1 - r0) : acc;
+    out[o] = mode == 0 ? __fdiv_rn(acc, static_cast<float>(r1 - r0)) : acc;  // exact division under fast-math
   }
 }
 

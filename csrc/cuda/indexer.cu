@@ -270,7 +270,10 @@ __global__ void __launch_bounds__(kThreads, 2) scores_kernel(ScoreParams p, int6
       const int r_begin = static_cast<int>(std::max<int64_t>(q * H - r0, 0));
       const int r_end = static_cast<int>(std::min<int64_t>((q + 1) * H - r0, mrows));
       float v = 0.f;
-      for (int r = r_begin; r < r_end; ++r) v = fmaf(wsm[r], fmaxf(Cs[r * LDC + t], 0.f), v);
+      for (int r = r_begin; r < r_end; ++r) {
+        const float c = Cs[r * LDC + t];
+        v = fmaf(wsm[r], c < 0.f ? 0.f : c, v);  // relu that keeps NaN, as torch.relu does (fmaxf drops it)
+      }
       if (n_mtiles == 1) {
         emit(q, t, v);
       } else {
