@@ -14,7 +14,10 @@ TRITON_INTERPRET=1 (fp32/fp16 there: the interpreter has no bf16 math).
 Only long-stable Triton features are used (tl.dot, masked tl.load/tl.store,
 tl.sum/tl.max/tl.cumsum/tl.where, tl.sort, tl.debug_barrier), no shared-
 memory or histogram intrinsics, meant for Triton 3.x (checked: interpreter
-and an sm_90 compile with Triton 3.8).
+and sm_90 compiles with Triton 3.6 and 3.8). The scores kernel's tiles and
+stages come from a shared-memory estimate (_scores_config): fp32 at D=576 or
+large H x D get fewer stages or head chunks instead of an OutOfResources at
+launch; a shape that fits nowhere raises NotImplementedError naming it.
 
 Kernels:
   _indexer_scores_kernel  one program per (batch, 16 queries, key block):
@@ -32,6 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ._limits import launch_guard, smem_limit
 
 # Upper bound on the fp32 scores workspace of indexer_topk, in elements
 # (64M fp32 = 256 MiB). See indexer_topk.
@@ -53,9 +58,12 @@ def _indexer_scores_kernel(
     b0, s0, NS,        # window computed by this launch: batch b0 + program_id(2), queries s0 .. s0+NS-1
     CAUSAL: tl.constexpr, HAS_QS: tl.constexpr, STORE_DEAD: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    H_CHUNK: tl.constexpr,
 ):
     """One program per (batch element, block of BLOCK_S queries, block of BLOCK_T keys).
-    out is the window's [nb, NS, T] fp32 slab (row-major)."""
+    out is the window's [nb, NS, T] fp32 slab (row-major). Heads go through the
+    GEMM H_CHUNK at a time (all H_PAD at once unless that does not fit in
+    shared memory, see _scores_config)."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_b = tl.program_id(2)
@@ -86,9 +94,7 @@ def _indexer_scores_kernel(
             for i in range(0, n_here):
                 tl.store(out_blk + i * T + offs_t, neg, mask=t_ok)
     else:
-        offs_h = tl.arange(0, H_PAD)
         offs_d = tl.arange(0, D_PAD)
-        h_ok = offs_h < H
         d_ok = offs_d < D
         # Key tile, transposed to [D, BLOCK_T] for the GEMM. k is a single
         # (MQA) head: loaded once here, it serves all heads of all queries
@@ -98,53 +104,100 @@ def _indexer_scores_kernel(
                      mask=d_ok[:, None] & t_ok[None, :], other=0.0)
         for i in range(0, n_here):
             row = b * S + s0 + s_lo + i                       # query (b, s) in q / w
-            qt = tl.load(q_ptr + (row * H + offs_h[:, None]) * D + offs_d[None, :],
-                         mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-            wv = tl.load(w_ptr + row * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
-            # [H_PAD, BLOCK_T] per-head logits, fp32 accumulate. fp32 inputs
-            # ask for true fp32 ("ieee"): the default would be TF32 on GPUs.
-            if IEEE:
-                logits = tl.dot(qt, kt, input_precision="ieee")
-            else:
-                logits = tl.dot(qt, kt)
-            # ReLU and head weights in registers, then the head reduction:
-            # per-head scores never leave the program. Padded heads have w = 0.
-            sc = tl.sum(tl.maximum(logits, 0.0) * wv[:, None], axis=0)
+            if H_CHUNK == H_PAD:
+                sc = _head_scores(q_ptr, w_ptr, row, 0, H, D, kt, offs_d, d_ok, IEEE, H_CHUNK)
+            else:   # heads in chunks: the [H_CHUNK, D_PAD] query tile bounds shared memory
+                sc = tl.zeros([BLOCK_T], tl.float32)
+                for h0 in range(0, H, H_CHUNK):
+                    sc += _head_scores(q_ptr, w_ptr, row, h0, H, D, kt, offs_d, d_ok, IEEE, H_CHUNK)
             if CAUSAL:
                 sc = tl.where(offs_t > start + s_lo + i, float("-inf"), sc)
             tl.store(out_blk + i * T + offs_t, sc, mask=t_ok)
 
 
-def _scores_config(D: int, H: int, dtype: torch.dtype):
+@triton.jit
+def _head_scores(q_ptr, w_ptr, row, h0, H, D, kt, offs_d, d_ok, IEEE: tl.constexpr, H_CHUNK: tl.constexpr):
+    """sum over heads h0 .. h0+H_CHUNK-1 (those < H) of w[row, h] * relu(q[row, h] . kt): [BLOCK_T] fp32."""
+    offs_h = h0 + tl.arange(0, H_CHUNK)
+    h_ok = offs_h < H
+    qt = tl.load(q_ptr + (row * H + offs_h[:, None]) * D + offs_d[None, :],
+                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    wv = tl.load(w_ptr + row * H + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    # [H_CHUNK, BLOCK_T] per-head logits, fp32 accumulate. fp32 inputs
+    # ask for true fp32 ("ieee"): the default would be TF32 on GPUs.
+    if IEEE:
+        logits = tl.dot(qt, kt, input_precision="ieee")
+    else:
+        logits = tl.dot(qt, kt)
+    # ReLU and head weights in registers, then the head reduction:
+    # per-head scores never leave the program. Padded heads have w = 0.
+    return tl.sum(tl.maximum(logits, 0.0) * wv[:, None], axis=0)
+
+
+def _scores_smem(D_PAD: int, H_CHUNK: int, BLOCK_T: int, item: int, stages: int) -> int:
+    """Shared memory of _indexer_scores_kernel, estimated: the key tile
+    [D_PAD, BLOCK_T], the query tile [H_CHUNK, D_PAD] in num_stages - 1 buffers
+    (num_stages with 16-bit wgmma operands, H_CHUNK >= 64: the GEMM reads its A
+    operand from shared memory), at least one, and <= 8 KiB of reduction scratch.
+    Calibrated on sm_90 compiles (triton 3.6, fp32/bf16, H 8-512, D 64-1024,
+    1-3 stages): within 8 KiB above the measured metadata.shared everywhere."""
+    kt = D_PAD * BLOCK_T * item
+    qt = H_CHUNK * D_PAD * item
+    wgmma = item == 2 and H_CHUNK >= 64
+    return kt + max(1, stages if wgmma else stages - 1) * qt + 8 * 1024
+
+
+def _scores_config(D: int, H: int, dtype: torch.dtype, smem: int) -> dict:
+    """Tiles of _indexer_scores_kernel that fit `smem` bytes of shared memory:
+    the default tiles with 3 stages when they fit (every GLM-5 shape: bf16
+    H=32, D=128 needs ~49 KB), else fewer stages, then the heads in chunks
+    (H_CHUNK < H_PAD), then narrower key blocks."""
     H_PAD = max(16, _next_pow2(H))   # tl.dot wants every dimension >= 16
     D_PAD = max(16, _next_pow2(D))
     # Key tile of D_PAD x BLOCK_T elements: keep it around 32 KiB (fp16 D=128 -> 128 keys).
     item = torch.empty((), dtype=dtype).element_size()
-    BLOCK_T = max(32, min(128, (32 * 1024) // (D_PAD * item)))
-    num_warps = 8 if H_PAD * BLOCK_T >= 64 * 128 else 4
-    return H_PAD, D_PAD, BLOCK_T, num_warps
+    bt = max(32, min(128, (32 * 1024) // (D_PAD * item)))
+    while bt >= 16:
+        hc = H_PAD
+        while hc >= 16:
+            for stages in (3, 2, 1):
+                if _scores_smem(D_PAD, hc, bt, item, stages) <= smem:
+                    return dict(H_PAD=H_PAD, D_PAD=D_PAD, H_CHUNK=hc, BLOCK_T=bt, num_stages=stages,
+                                num_warps=8 if hc * bt >= 64 * 128 else 4)
+            hc //= 2
+        bt //= 2
+    need = _scores_smem(D_PAD, 16, 16, item, 1)
+    raise NotImplementedError(
+        f"triton indexer_scores: q/k with D={D} (H={H}) in {str(dtype).replace('torch.', '')} need "
+        f"~{need} bytes of shared memory per program even with 16 heads x 16 keys, over this GPU's {smem}; "
+        "use fp16/bf16 inputs or the 'cpp' backend")
 
 
 _MAX_GRID_YZ = 65535
+_BLOCK_S = 16   # queries per scores program: each key tile is reused this many times
 
 
 def _launch_scores(q, w, k, q_start, causal, out, b0, nb, s0, ns, store_dead=True):
     """Scores of batch elements b0..b0+nb-1, queries s0..s0+ns-1 into out [nb, ns, T]."""
     B, S, H, D = q.shape
     T = k.shape[1]
-    H_PAD, D_PAD, BLOCK_T, num_warps = _scores_config(D, H, q.dtype)
-    BLOCK_S = 16   # queries per program: each key tile is reused this many times
+    cfg = _scores_config(D, H, q.dtype, smem_limit(q.device))
+    BLOCK_S = _BLOCK_S
+    if triton.cdiv(ns, BLOCK_S) > _MAX_GRID_YZ:
+        raise NotImplementedError(f"triton indexer_scores: S={ns} queries in one launch exceed the grid "
+                                  f"limit ({_MAX_GRID_YZ * BLOCK_S}); use indexer_topk or split the queries")
+    def what():
+        return f"triton indexer_scores: q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}, T={T} (tiles {cfg})"
     for bc in range(0, nb, _MAX_GRID_YZ):   # CUDA grid dims 1 and 2 stop at 65535
         nbc = min(_MAX_GRID_YZ, nb - bc)
-        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(ns, BLOCK_S), nbc)
-        _indexer_scores_kernel[grid](
-            q, w, k, q_start if q_start is not None else out, out[bc:bc + nbc],
-            S, T, H, D, b0 + bc, s0, ns,
-            CAUSAL=bool(causal), HAS_QS=q_start is not None, STORE_DEAD=store_dead,
-            IEEE=q.dtype == torch.float32,
-            BLOCK_S=BLOCK_S, BLOCK_T=BLOCK_T, H_PAD=H_PAD, D_PAD=D_PAD,
-            num_warps=num_warps,
-        )
+        grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(ns, BLOCK_S), nbc)
+        with launch_guard(what):
+            _indexer_scores_kernel[grid](
+                q, w, k, q_start if q_start is not None else out, out[bc:bc + nbc],
+                S, T, H, D, b0 + bc, s0, ns,
+                CAUSAL=bool(causal), HAS_QS=q_start is not None, STORE_DEAD=store_dead,
+                IEEE=q.dtype == torch.float32, BLOCK_S=BLOCK_S, **cfg,
+            )
 
 
 def indexer_scores(q, w, k, causal: bool, q_start):
@@ -490,10 +543,11 @@ def indexer_topk(q, w, k, topk: int, causal: bool, q_start):
     if out.numel() == 0:
         return out
     rows_budget = max(1, WORKSPACE_ELEMS // T)
-    if S <= rows_budget:
+    max_ns = _MAX_GRID_YZ * _BLOCK_S   # queries of one scores launch (grid dim 1)
+    if S <= min(rows_budget, max_ns):
         nb_win, ns_win = max(1, min(B, rows_budget // S)), S
     else:
-        nb_win, ns_win = 1, rows_budget
+        nb_win, ns_win = 1, min(rows_budget, max_ns)
     ws = torch.empty((nb_win * ns_win, T), dtype=torch.float32, device=q.device)
     out2d = out.view(B * S, topk)
     for b0 in range(0, B, nb_win):
