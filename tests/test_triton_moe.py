@@ -81,6 +81,21 @@ def test_route(poisoned, E, n_group, topk_group, top_k, dtypes):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("E,n_group,topk_group,top_k", [(1024, 8, 4, 8), (2048, 1, 1, 8)])
+def test_route_wide(poisoned, E, n_group, topk_group, top_k):
+    """Past 512 padded experts the weight tile takes two stages and a narrower
+    BLOCK_K (sm_90's shared memory: E=1024 needed 266 KB with three); up to 2048."""
+    test_route(poisoned, E, n_group, topk_group, top_k, (torch.float32, torch.float32))
+
+
+def test_route_rejects_too_many_experts():
+    h, gate_w, bias = fresh(4, 16), fresh(4096, 16), fresh(4096)
+    with pytest.raises(NotImplementedError, match=r"E=4096 \(padded to 4096 with n_group=1\) is over 2048"):
+        tm.moe_route(h, gate_w, bias, 8, 1, 1, 1.0, True)
+    with pytest.raises(NotImplementedError, match=r"E=1300 \(padded to 4096 with n_group=5\)"):
+        tm.moe_route(h, fresh(1300, 16), fresh(1300), 8, 5, 1, 1.0, True)   # 5 x 260 -> 8 x 512
+
+
 # --------------------------------------------------------------- alignment --
 
 @pytest.mark.parametrize("T,E,k,block_m", [(37, 8, 3, 16), (5, 256, 8, 16), (300, 3, 2, 32), (1, 4, 1, 16)])

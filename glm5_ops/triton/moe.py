@@ -45,8 +45,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ._limits import launch_guard
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INT_MIN = tl.constexpr(-2147483648)  # a jit global must be a constexpr
+# Widest router (experts padded per group to powers of two): the [BLOCK_T, EP] fp32
+# scores live in registers and the weight tile in shared memory (see moe_route).
+_ROUTE_MAX_EP = 2048
 
 
 def _next_pow2(x: int) -> int:
@@ -171,9 +176,9 @@ def moe_route(h, gate_w, bias, top_k: int, n_group: int, topk_group: int,
     per_g = E // n_group
     G_PAD, P_PAD = _next_pow2(n_group), _next_pow2(per_g)
     EP = G_PAD * P_PAD
-    if EP > 8192:
+    if EP > _ROUTE_MAX_EP:
         raise NotImplementedError(f"triton moe_route holds all experts of a token in one tile: "
-                                  f"E={E} (padded to {EP} with n_group={n_group}) is over 8192")
+                                  f"E={E} (padded to {EP} with n_group={n_group}) is over {_ROUTE_MAX_EP}")
     weights = torch.empty((T, top_k), dtype=torch.float32, device=h.device)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=h.device)
     if T == 0:
@@ -186,13 +191,23 @@ def moe_route(h, gate_w, bias, top_k: int, n_group: int, topk_group: int,
         BLOCK_K = 64 if same16 else 32
         warps = 4 if BLOCK_T * EP <= 8192 else 8
     BLOCK_K = min(BLOCK_K, max(16, _next_pow2(D)))
-    _route_kernel[(triton.cdiv(T, BLOCK_T),)](
-        h, gate_w, bias, weights, ids,
-        T, D, per_g, n_group, topk_group, top_k, float(routed_scaling_factor),
-        NORM=bool(norm_topk_prob), GROUP_LIMITED=topk_group < n_group, CAST_F32=not same16,
-        PREC="tf32" if same16 else "ieee", BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, G_PAD=G_PAD, P_PAD=P_PAD,
-        K_PAD=max(2, _next_pow2(top_k)), num_warps=warps,
-    )
+    # Shared memory: the gate-weight tile [BLOCK_K, EP] is pipelined over the D loop
+    # (num_stages - 1 buffers). Up to EP = 512 three stages fit (bf16 E=512: 135 KB on
+    # sm_90); wider routers take two stages and a BLOCK_K that keeps one tile <= 64 KiB
+    # (E=1024 and 2048: ~66 KB), under the 227 KiB of an H100/H200.
+    stages = 3
+    if EP > 512:
+        item = 2 if same16 else 4
+        stages, BLOCK_K = 2, max(16, min(BLOCK_K, (64 * 1024) // (EP * item)))
+    with launch_guard(lambda: f"triton moe_route: h {tuple(h.shape)} {str(h.dtype).replace('torch.', '')}, "
+                              f"E={E}, n_group={n_group}, top_k={top_k}"):
+        _route_kernel[(triton.cdiv(T, BLOCK_T),)](
+            h, gate_w, bias, weights, ids,
+            T, D, per_g, n_group, topk_group, top_k, float(routed_scaling_factor),
+            NORM=bool(norm_topk_prob), GROUP_LIMITED=topk_group < n_group, CAST_F32=not same16,
+            PREC="tf32" if same16 else "ieee", BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, G_PAD=G_PAD, P_PAD=P_PAD,
+            K_PAD=max(2, _next_pow2(top_k)), num_warps=warps, num_stages=stages,
+        )
     return weights, ids
 
 
