@@ -249,3 +249,47 @@ def test_block_topk_mask_fp16(poisoned):
         got = glm5_ops.block_topk_mask(q, k, **kw)
     num, idx = reference.block_topk_mask(q, k, **kw)
     assert torch.equal(got.kv_num_blocks, num) and torch.equal(got.kv_indices, idx)
+
+
+# ------------------------------------------------------- shared memory --
+
+def test_forward_tiles_fit_sm90():
+    """Forward tiles shrink (BLOCK_N, then the query rows) where the estimate says
+    sm_90's 227 KiB would not hold them: fp32 Dk = Dv = 1024 needed 398 KB (sparse)
+    and 262 KB (block) with the default tiles. Every suite / GLM-5 shape keeps its tiles."""
+    from glm5_ops.triton import attention as A
+    from glm5_ops.triton._limits import SM90_SMEM
+    for Dk, Dv, G in [(576, 1024, 64), (1024, 1024, 64), (768, 768, 8)]:
+        cfg = A._fit_fwd(A._sparse_config(Dk, Dv, G, False), "BLOCK_H", 4, False, SM90_SMEM)
+        assert A._fwd_smem(cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["DK1"] + cfg["DK2"], cfg["DV"], 4, False) <= SM90_SMEM
+        cfg = A._fit_fwd(A._block_config(Dk, Dv, 64, "fwd"), "BLOCK_M", 4, False, SM90_SMEM)
+        assert A._fwd_smem(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["DK1"] + cfg["DK2"], cfg["DV"], 4, False) <= SM90_SMEM
+    for item in (4, 2):   # GLM-5's MLA shapes (Hq = 64 or 8 per GPU, v = k[..., :512]) and the suite's fp32 case
+        for G, alias in [(64, True), (8, True), (8, False)]:
+            base = A._sparse_config(576, 512, G, False)
+            assert A._fit_fwd(base, "BLOCK_H", item, alias, SM90_SMEM) == base
+        base = A._block_config(576, 512, 128, "fwd")
+        assert A._fit_fwd(base, "BLOCK_M", item, True, SM90_SMEM) == base
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="forces a tiny shared-memory budget: interpreter only")
+def test_shrunk_forward_tiles_match_reference(poisoned, monkeypatch):
+    """The smallest forward tiles (16 x 16), forced by a small budget, give the reference's results."""
+    from glm5_ops.triton import attention as A
+    monkeypatch.setattr(A, "smem_limit", lambda device: 16 * 1024)
+    cfg = A._fit_fwd(A._sparse_config(64, 64, 32, False), "BLOCK_H", 4, False, 16 * 1024)
+    assert (cfg["BLOCK_H"], cfg["BLOCK_N"]) == (16, 16)
+    B, S, T, Hq, Hkv, D = 1, 3, 50, 32, 1, 64
+    q, k, v = _inputs(B, S, T, Hq, Hkv, D, D, False, 21)
+    idx = _indices(B, S, T, 37, 21)
+    _compare(lambda q_, k_, v_: glm5_ops.sparse_attention(q_, k_, v_, idx, causal=True),
+             lambda q_, k_, v_: reference.sparse_attention(q_, k_, v_, idx, scale=D ** -0.5, causal=True),
+             q, k, v, D, torch.float32)
+    S, T, bs = 40, 80, 37
+    q, k, v = _inputs(1, S, T, 2, 1, D, D, False, 22)
+    num, idx, _ = _random_mask(1, 2, -(-S // bs), -(-T // bs), 2, 22)
+    _compare(lambda q_, k_, v_: glm5_ops.block_sparse_attention(q_, k_, v_, glm5_ops.BlockMask(num, idx, bs),
+                                                                causal=True),
+             lambda q_, k_, v_: reference.block_sparse_attention(q_, k_, v_, num, idx, block_size=bs,
+                                                                 scale=D ** -0.5, causal=True),
+             q, k, v, D, torch.float32)

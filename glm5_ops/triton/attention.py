@@ -63,8 +63,11 @@ low-precision error on small shapes, over the issue's 2x bound. On a GPU this
 makes the low-precision backward's second half run at fp32 speed: the place
 to win back (tf32x3, or bf16 with a split-precision correction) once timed.
 
-Status on GPUs: every kernel compiles for sm_90 (Triton 3.8, bf16 and fp32);
-tile sizes come from ptxas' register/spill report (see _sparse_config). Not
+Status on GPUs: every kernel compiles for sm_90 (Triton 3.6 and 3.8, bf16 and
+fp32); tile sizes come from ptxas' register/spill report (see _sparse_config),
+and the forward kernels shrink them when a shared-memory estimate says they
+would not fit (fp32 with Dk/Dv near 1024, see _fit_fwd); a kernel that still
+does not fit raises NotImplementedError naming the shape at launch. Not
 yet run or timed on a GPU. Known costs: the Dk = 576 backward kernels spill a
 few hundred bytes per thread, and fp32 (ieee) dots spill heavily at
 Dk >= 192 (correct, slow; bf16/fp16 is the GPU path). The block-sparse
@@ -77,6 +80,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from ._limits import launch_guard, smem_limit
 
 LOG2E = 1.4426950408889634
 
@@ -135,6 +139,35 @@ def _sparse_config(Dk: int, Dv: int, G: int, bwd: bool) -> dict:
         num_warps, num_stages = (8 if BLOCK_H == 64 else 4), 2
     return dict(DK1=DK1, DK2=DK2, DV=DV, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=num_warps,
                 num_stages=num_stages)
+
+
+# Shared memory of the forward kernels, estimated from their tiles (bytes): the query
+# rows [BLOCK_H|BLOCK_M, Dk], the key tile [BLOCK_N, Dk], the value tile [BLOCK_N, Dv]
+# (none when it is the key tile), the fp32 scores [rows, BLOCK_N] and 4 KiB of scratch.
+# An upper bound on sm_90 compiles (triton 3.6): sparse forward within ~4 KiB of the
+# measured metadata.shared (fp32 and bf16, Dk 96-1024, Dv 512-1024); block forward
+# within 4 KiB to 2x (not every tile is staged there). Only used to pick smaller
+# tiles: fp32 with Dk/Dv >= 576 (sparse, Dv=1024) or 768 (block) needs them on an
+# H100/H200. The backward kernels already run at the smallest tiles (16 x 16); one
+# that still does not fit (bf16 Dk = Dv = 1024 sparse backward: 263 KB) raises
+# NotImplementedError at launch (launch_guard), naming the shape.
+
+def _fwd_smem(rows: int, BLOCK_N: int, DK: int, DV: int, item: int, v_from_k: bool) -> int:
+    return item * (rows * DK + BLOCK_N * DK + (0 if v_from_k else BLOCK_N * DV)) + rows * BLOCK_N * 4 + 4096
+
+
+def _fit_fwd(cfg: dict, rows_key: str, item: int, v_from_k: bool, smem: int) -> dict:
+    """Halve BLOCK_N, then the query rows (>= 16 each) until the forward's estimate fits `smem`."""
+    cfg = dict(cfg)
+    DK, DV = cfg["DK1"] + cfg["DK2"], cfg["DV"]
+    while _fwd_smem(cfg[rows_key], cfg["BLOCK_N"], DK, DV, item, v_from_k) > smem:
+        if cfg["BLOCK_N"] > 16:
+            cfg["BLOCK_N"] //= 2
+        elif cfg[rows_key] > 16:
+            cfg[rows_key] //= 2
+        else:
+            break   # the smallest tiles: launch_guard names the shape if they do not fit either
+    return cfg
 
 
 def _block_config(Dk: int, Dv: int, bs: int, kind: str) -> dict:
@@ -314,6 +347,12 @@ def _sparse_bwd_kernel(
         tl.store(dq_ptr + q_rows[:, None] + d2[None, :], (dq2 * scale).to(dq_ptr.dtype.element_ty), mask=m2)
 
 
+def _what(op: str, q, k, v) -> str:
+    return (f"triton {op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} in "
+            f"{str(q.dtype).replace('torch.', '')} does not fit one program on this GPU (use bf16/fp16 "
+            "or smaller head dims, or the 'cpp' backend)")
+
+
 def _empty_outputs(q, v):
     B, S, Hq, _ = q.shape
     out = torch.zeros(B, S, Hq, v.shape[3], dtype=q.dtype, device=q.device)
@@ -333,18 +372,21 @@ def sparse_attention_fwd(q, k, v, indices, scale: float, causal: bool, q_start):
     G = Hq // Hkv
     TOPK = indices.shape[2]
     cfg = _sparse_config(Dk, Dv, G, bwd=False)
+    v_from_k = _v_from_k(k, v, cfg["DK1"], cfg["DV"])
+    cfg = _fit_fwd(cfg, "BLOCK_H", q.element_size(), v_from_k, smem_limit(q.device))
     out = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
     if B * S * Hq == 0:
         return _empty_outputs(q, v)
-    _sparse_fwd_kernel[_sparse_grid(B, S, Hkv, G, cfg["BLOCK_H"])](
-        q, k, v, indices, q_start if q_start is not None else indices, out, lse,
-        S, T, Hq, G, TOPK, Dk, Dv,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        scale * LOG2E,
-        CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]),
-        IEEE=q.dtype == torch.float32, **cfg,
-    )
+    with launch_guard(lambda: _what("sparse_attention forward", q, k, v)):
+        _sparse_fwd_kernel[_sparse_grid(B, S, Hkv, G, cfg["BLOCK_H"])](
+            q, k, v, indices, q_start if q_start is not None else indices, out, lse,
+            S, T, Hq, G, TOPK, Dk, Dv,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            scale * LOG2E,
+            CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=v_from_k,
+            IEEE=q.dtype == torch.float32, **cfg,
+        )
     return out, lse
 
 
@@ -359,15 +401,16 @@ def sparse_attention_bwd(dout, q, k, v, indices, out, lse, scale, causal, q_star
     dk = torch.zeros(B, T, Hkv, Dk, dtype=torch.float32, device=q.device)
     dv = torch.zeros(B, T, Hkv, Dv, dtype=torch.float32, device=q.device)
     if B * S * Hq > 0:
-        _sparse_bwd_kernel[_sparse_grid(B, S, Hkv, G, cfg["BLOCK_H"])](
-            dout.contiguous(), q, k, v, indices, q_start if q_start is not None else indices,
-            out.contiguous(), lse.contiguous(), dq, dk, dv,
-            S, T, Hq, Hkv, G, TOPK, Dk, Dv,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            scale, scale * LOG2E,
-            CAUSAL=bool(causal), HAS_QS=q_start is not None, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]),
-            IEEE=q.dtype == torch.float32, **cfg,
-        )
+        with launch_guard(lambda: _what("sparse_attention backward", q, k, v)):
+            _sparse_bwd_kernel[_sparse_grid(B, S, Hkv, G, cfg["BLOCK_H"])](
+                dout.contiguous(), q, k, v, indices, q_start if q_start is not None else indices,
+                out.contiguous(), lse.contiguous(), dq, dk, dv,
+                S, T, Hq, Hkv, G, TOPK, Dk, Dv,
+                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                scale, scale * LOG2E,
+                CAUSAL=bool(causal), HAS_QS=q_start is not None,
+                V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]), IEEE=q.dtype == torch.float32, **cfg,
+            )
     else:
         dq.zero_()
     return dq, dk.to(k.dtype), dv.to(v.dtype)
@@ -646,7 +689,10 @@ def _block_cfg(q, k, v, bs: int, kind: str) -> dict:
     if Hq > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
         raise NotImplementedError(f"triton block_sparse_attention: B={B} or Hq={Hq} exceeds the grid limit")
     cfg = _block_config(q.shape[3], v.shape[3], bs, kind)
-    return dict(cfg, V_FROM_K=_v_from_k(k, v, cfg["DK1"], cfg["DV"]), IEEE=q.dtype == torch.float32)
+    v_from_k = _v_from_k(k, v, cfg["DK1"], cfg["DV"])
+    if kind == "fwd":
+        cfg = _fit_fwd(cfg, "BLOCK_M", q.element_size(), v_from_k, smem_limit(q.device))
+    return dict(cfg, V_FROM_K=v_from_k, IEEE=q.dtype == torch.float32)
 
 
 def block_sparse_attention_fwd(q, k, v, kv_num_blocks, kv_indices, block_size: int, scale, causal, q_start):
@@ -660,12 +706,13 @@ def block_sparse_attention_fwd(q, k, v, kv_num_blocks, kv_indices, block_size: i
     MT = triton.cdiv(bs, cfg["BLOCK_M"])
     out = torch.empty(B, S, Hq, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
-    _block_fwd_kernel[(Qb * MT, Hq, B)](
-        q, k, v, kv_num_blocks, kv_indices, q_start if q_start is not None else kv_num_blocks, out, lse,
-        S, T, Hq, Hq // Hkv, Qb, kv_indices.shape[3], bs, MT, Dk, Dv,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
-    )
+    with launch_guard(lambda: _what("block_sparse_attention forward", q, k, v)):
+        _block_fwd_kernel[(Qb * MT, Hq, B)](
+            q, k, v, kv_num_blocks, kv_indices, q_start if q_start is not None else kv_num_blocks, out, lse,
+            S, T, Hq, Hq // Hkv, Qb, kv_indices.shape[3], bs, MT, Dk, Dv,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
+        )
     return out, lse
 
 
@@ -707,19 +754,21 @@ def block_sparse_attention_bwd(dout, q, k, v, kv_num_blocks, kv_indices, out, ls
     delta = torch.empty(B, S, Hq, dtype=torch.float32, device=q.device)
     cfg = _block_cfg(q, k, v, bs, "dq")
     MT = triton.cdiv(bs, cfg["BLOCK_M"])
-    _block_dq_kernel[(Qb * MT, Hq, B)](
-        dout, q, k, v, kv_num_blocks, kv_indices, qs, out, lse, dq, delta,
-        S, T, Hq, G, Qb, kv_indices.shape[3], bs, MT, Dk, Dv, *strides,
-        scale, scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
-    )
+    with launch_guard(lambda: _what("block_sparse_attention backward (dq)", q, k, v)):
+        _block_dq_kernel[(Qb * MT, Hq, B)](
+            dout, q, k, v, kv_num_blocks, kv_indices, qs, out, lse, dq, delta,
+            S, T, Hq, G, Qb, kv_indices.shape[3], bs, MT, Dk, Dv, *strides,
+            scale, scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
+        )
     q_num, q_idx = _transposed_mask(kv_num_blocks, kv_indices, Hkv, Kb)
     cfg = _block_cfg(q, k, v, bs, "dkdv")
     NT = triton.cdiv(bs, cfg["BLOCK_N"])
-    _block_dkdv_kernel[(Kb * NT, Hkv, B)](
-        dout, q, k, v, q_num, q_idx, qs, lse, delta, dk, dv,
-        S, T, Hq, Hkv, G, Qb, Kb, q_idx.shape[3], bs, NT, Dk, Dv, *strides,
-        scale, scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
-    )
+    with launch_guard(lambda: _what("block_sparse_attention backward (dk, dv)", q, k, v)):
+        _block_dkdv_kernel[(Kb * NT, Hkv, B)](
+            dout, q, k, v, q_num, q_idx, qs, lse, delta, dk, dv,
+            S, T, Hq, Hkv, G, Qb, Kb, q_idx.shape[3], bs, NT, Dk, Dv, *strides,
+            scale, scale * LOG2E, CAUSAL=bool(causal), HAS_QS=q_start is not None, **cfg,
+        )
     return dq, dk, dv
 
 
