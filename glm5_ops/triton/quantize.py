@@ -58,7 +58,10 @@ def _shape(group_size: int, bits: int):
     return per, nb, rows
 
 
-@triton.jit
+# key_i32 is a runtime value: without do_not_specialize Triton would compile a
+# kernel per "== 1" / "% 16 == 0" class of keys, and a key equal to 1 arrives
+# as a constexpr, on which the bitcast below does not compile.
+@triton.jit(do_not_specialize=["key_i32"])
 def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, G, key_i32,
                      GS: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, NB: tl.constexpr,
                      ROWS: tl.constexpr, STOCHASTIC: tl.constexpr):
