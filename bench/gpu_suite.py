@@ -1,36 +1,61 @@
 #!/usr/bin/env python3
-"""One prepared GPU check-and-time run for the indexer and attention families (one H200 window).
+"""The prepared GPU check-and-time run (one H200 window): every CUDA and Triton
+path against glm5_ops.reference, then the key benchmarks. Under 8 minutes.
 
-    python3 bench/gpu_suite.py [--quick] [--skip-build] [--json PATH]
+    PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py 2>&1 | tee $OUT/suite.log
+    python3 bench/gpu_suite.py --device cpu --quick      # dry run on the CPU kernels
 
+Flow:
 1. Build: if glm5_ops._C is missing or was built without CUDA, builds the
    extension in place (python setup.py build_ext --inplace, MAX_JOBS = cores,
    TORCH_CUDA_ARCH_LIST=9.0a); equivalent to
    `pip install --no-build-isolation --no-deps -e .` for this purpose.
-2. Checks, for each op and each GPU backend ("cpp" = csrc/cuda via
-   torch.ops.glm5, "triton" = glm5_ops/triton/indexer.py), against
-   glm5_ops.reference on fresh random inputs: value-multiset equality for the
-   top-k ops, relative error for the scores; fp32/bf16/fp16 and odd shapes.
-   Each check is its own try/except: one failure never stops the suite.
-3. Timing with CUDA events after an L2 flush (DeepGEMM style: zero a 256 MB
-   buffer before every timed call), median of several calls: top-k vs
-   torch.topk; indexer_scores / indexer_topk vs the unfused chain
-   (einsum -> relu -> weighted head sum -> causal mask -> torch.topk).
-   Attention (names start with "attention."; --only attention): sparse and
-   block-sparse attention forward and backward and block_topk_mask against
-   the float64 reference; timed: the DSA MLA shape (target 300 TFLOP/s) and
-   block-sparse per computed block vs dense SDPA (target >= 60%).
-Prints progress as it goes and a markdown table last; writes all results as
-JSON to --json (default $OUT/gpu_suite.json when $OUT is set). < 8 minutes.
-MoE (issue 4): sections "moe" (every CUDA/Triton MoE kernel vs the
-reference) and "moe-timings" (fused_moe forward at GLM-5 scale vs the
-measured bf16 matmul peak; dispatch + combine share); see the MoE block.
-Each (section, backend) runs in its own child process: a sticky CUDA error or
-a hang (200 s limit) loses that section only. --only NAME[,NAME] reruns a
-subset by name; --device cpu dry-runs the checks on the CPU kernels.
+2. Checks, CONCURRENTLY: one child process per (family, backend[, dtype]),
+   at most --jobs at a time (default min(12, cores - 2): 12 on the device's
+   16 cores; 2 on a CPU dry run), longest first, each with its own CUDA
+   context, time limit (--section-s, 240 s) and JSON file. Families: topk,
+   indexer (scores, fused top-k), attention-sparse, attention-block (block-
+   sparse forward/backward), attention-mask (block_topk_mask), moe-route (router,
+   dispatch + combine), moe-fused (fused experts forward/backward), quantize
+   (quantize_groupwise / dequantize, deterministic and stochastic); the big
+   families get one section per dtype (fp32 / bf16 / fp16). Triton JIT-compiles
+   ~200 kernels on a cold cache (1-10 s of one core each), which is why the
+   sections run in parallel. Meanwhile one "warm:" child per Triton timing
+   section calls each timed Triton op once (compiling it, timing nothing), so the
+   timing phase finds its kernels cached. No section starts after the phase's
+   --check-phase-s (330 s) and none runs past it. Each check compares with the
+   oracle on fresh random inputs (seed logged), NaN-poisoned outputs; each is its
+   own try/except.
+3. Timings, ONE SECTION AT A TIME (the GPU to itself): CUDA events after an L2
+   flush (zero a 256 MB buffer before every call), median of several calls.
+   "timings": top-k vs torch.topk; indexer_topk / indexer_scores vs the unfused
+   torch chain (plus a correctness check at the bench shape); quantize_groupwise
+   and dequantize of a bf16 [16384, 6144] activation vs the measured copy
+   bandwidth; DSA sparse attention in GLM-5's MLA shape (target 300 TFLOP/s)
+   and block-sparse per computed block vs dense SDPA (target >= 60%).
+   "moe-timings": fused_moe forward at GLM-5 scale vs the measured bf16 matmul
+   peak (target 50%), dispatch + combine share (target <= 10%).
+4. A markdown summary: checks passed per backend, one line per distinct
+   failure, a table of sections (checks, seconds, how it ended) and the timings
+   table; all results as JSON in --json (default $OUT/gpu_suite.json).
 
-Device call (from the repo root):
-    PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py 2>&1 | tee $OUT/suite.log
+Output: the parent's own lines and every child line as it comes, stamped with
+the suite's clock and prefixed with its section, e.g.
+    [ 41.3s] attention-sparse[float32]/triton | PASS attention.sparse_fwd/triton: ...
+A crash, a sticky CUDA error or a hang costs its section only (the child's
+checks up to then are kept: it rewrites its JSON after every record).
+
+Expected wall time on the device (H200, 16 cores, bare: cold Triton cache, no
+extension): build ~2-3 min (nvcc, the slowest .cu file bounds it), checks
+~2-2.5 min (the longest Triton section's compiles), timings ~1.5 min;
+about 5.5-6.5 min in all, --quick about 4.5. With --skip-build (or a built
+extension) subtract the build.
+
+Options: --quick (fewer cases and shapes), --skip-build, --skip-checks,
+--skip-timings, --backends cpp,triton, --only NAME[,NAME] (substrings of check
+or timing names: runs only those, and only the sections they can come from, e.g.
+--only attention,indexer,topk or --only moe), --device cpu (the checks on the
+CPU kernels, Triton through its interpreter; no timings), --jobs N.
 """
 from __future__ import annotations
 
@@ -40,6 +65,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 import traceback
 
@@ -48,8 +74,11 @@ sys.path.insert(0, ROOT)
 T0 = time.time()
 
 
+CHILD = os.environ.get("GLM5_SUITE_CHILD") == "1"   # a section's process: the parent stamps and tags its lines
+
+
 def log(msg: str) -> None:
-    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+    print(msg if CHILD else f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
 # --------------------------------------------------------------------------- build
@@ -59,54 +88,104 @@ def cuda_build_present() -> bool:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True).returncode == 0
 
 
-def ensure_built() -> None:
-    if cuda_build_present():
-        log("glm5_ops._C already has CUDA kernels")
-        return
-    env = dict(os.environ)
-    env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
-    env.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
-    env["GLM5_BUILD_CUDA"] = "1"
-    if "CUDA_HOME" not in env:
-        for cand in ("/usr/local/cuda", "/usr/local/cuda-13.0"):
-            if os.path.exists(os.path.join(cand, "bin", "nvcc")):
-                env["CUDA_HOME"] = cand
-                break
-    log(f"building glm5_ops._C with CUDA (CUDA_HOME={env.get('CUDA_HOME')}, MAX_JOBS={env['MAX_JOBS']}) ...")
-    t = time.time()
-    r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        print(r.stdout[-6000:], r.stderr[-6000:], sep="\n", flush=True)
-        log("build_ext failed; trying pip install --no-build-isolation --no-deps -e .")
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", "."],
-                           cwd=ROOT, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
+class Build:
+    """Builds glm5_ops._C with CUDA in a background thread, while the Triton check
+    sections (which do not need it) run. The extension is built outside the
+    package (build_ext --build-lib build/gpu_suite_lib) and renamed into
+    glm5_ops/ when complete, so a section importing glm5_ops meanwhile sees
+    either no extension or the whole new one, never a half-written file."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.ok = False
+
+    def start(self) -> "Build":
+        if cuda_build_present():
+            log("glm5_ops._C already has CUDA kernels")
+            self.ok = True
+            self.done.set()
+        else:
+            threading.Thread(target=self._run, daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.ok = self._build()
+        except Exception as e:  # noqa: BLE001 - reported; the sections that need it are skipped
+            log(f"build failed: {type(e).__name__}: {e}")
+        finally:
+            self.done.set()
+
+    @staticmethod
+    def _build() -> bool:
+        import glob
+        env = dict(os.environ)
+        env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+        env.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
+        env["GLM5_BUILD_CUDA"] = "1"
+        if "CUDA_HOME" not in env:
+            for cand in ("/usr/local/cuda", "/usr/local/cuda-13.0"):
+                if os.path.exists(os.path.join(cand, "bin", "nvcc")):
+                    env["CUDA_HOME"] = cand
+                    break
+        log(f"building glm5_ops._C with CUDA in the background (CUDA_HOME={env.get('CUDA_HOME')}, "
+            f"MAX_JOBS={env['MAX_JOBS']}) ...")
+        t = time.time()
+        lib = os.path.join(ROOT, "build", "gpu_suite_lib")
+        r = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", lib], cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        built = glob.glob(os.path.join(lib, "glm5_ops", "_C*.so"))
+        if r.returncode == 0 and built:
+            os.replace(built[0], os.path.join(ROOT, "glm5_ops", os.path.basename(built[0])))   # atomic
+        else:
             print(r.stdout[-6000:], r.stderr[-6000:], sep="\n", flush=True)
-            raise SystemExit("build failed")
-    warn = [ln for ln in (r.stdout + r.stderr).splitlines() if "warning" in ln.lower()]
-    log(f"built in {time.time() - t:.0f}s ({len(warn)} warning lines)")
-    for ln in warn[:10]:
-        print("   ", ln[:300])
+            log("build_ext failed; trying pip install --no-build-isolation --no-deps -e .")
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "-e", "."],
+                               cwd=ROOT, env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(r.stdout[-6000:], r.stderr[-6000:], sep="\n", flush=True)
+                log(f"build failed after {time.time() - t:.0f}s: the sections that need glm5_ops._C are skipped")
+                return False
+        warn = [ln for ln in (r.stdout + r.stderr).splitlines() if "warning" in ln.lower()]
+        log(f"built in {time.time() - t:.0f}s ({len(warn)} warning lines)")
+        for ln in warn[:10]:
+            print("   ", ln[:300], flush=True)
+        if not cuda_build_present():
+            log("the built glm5_ops._C does not load with CUDA kernels: the sections that need it are skipped")
+            return False
+        return True
 
 
 # --------------------------------------------------------------------------- checks
 
 RESULTS: dict = {"checks": [], "timings": []}
 ONLY: list = []  # --only: run just the checks / timings whose name contains one of these
+JSON_OUT: list = []  # a child's --json path: results are rewritten there after every record
+WARM: list = []  # a prewarm child: run each timed call of its backends once (JIT compile), record nothing
 
 
 def wanted(name: str) -> bool:
     return not ONLY or any(o in name for o in ONLY)
 
 
+def save_json() -> None:
+    """Child: rewrite the results file (atomically), so that a section killed at
+    its time limit still reports every check it finished."""
+    if JSON_OUT:
+        tmp = JSON_OUT[0] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(RESULTS, f)
+        os.replace(tmp, JSON_OUT[0])
+
+
 def record_check(name: str, ok: bool, detail: str) -> None:
     RESULTS["checks"].append({"name": name, "ok": ok, "detail": detail})
     log(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
+    save_json()
 
 
 def run_check(name: str, fn) -> None:
-    if not wanted(name):
+    if not wanted(name) or WARM:
         return
     try:
         ok, detail = fn()
@@ -205,10 +284,21 @@ def indexer_topk_ok(torch, idx, q, w, k, topk, causal, q_start):
     return diff <= tol, f"{tuple(q.shape)} T={T} topk={topk}: max |value diff| {diff:.2e} (tol {tol:.1e})"
 
 
-def checks(torch, glm5_ops, backends, quick, dev="cuda"):
-    g = torch.Generator(device=dev)
+def _generator(torch, dev):
+    """A generator with a fresh seed, logged so that a failure can be rerun."""
+    seed = int(time.time() * 1000) & 0xFFFFFF
+    log(f"random seed {seed}")
+    return torch.Generator(device=dev).manual_seed(seed)
+
+
+def _interpreted(backend, dev) -> bool:
+    """Triton kernels on CPU tensors run in Triton's interpreter, which has no bf16 math."""
+    return backend == "triton" and dev == "cpu"
+
+
+def topk_checks(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    g = _generator(torch, dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    g.manual_seed(int(time.time()) & 0xFFFF)
 
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, device=dev, generator=g).to(dtype)
@@ -261,6 +351,8 @@ def checks(torch, glm5_ops, backends, quick, dev="cuda"):
         cases = cases[:2] + cases[8:12]
     for backend in backends:
         for name, build, k, srt in cases:
+            if _interpreted(backend, dev) and "bf16" in name:
+                continue
             def one(build=build, k=k, srt=srt, backend=backend):
                 x = build()
                 with glm5_ops.use_backend(backend):
@@ -268,6 +360,14 @@ def checks(torch, glm5_ops, backends, quick, dev="cuda"):
                 sync()
                 return topk_ok(torch, x, idx, k, srt)
             run_check(f"topk_indices/{backend}: {name}", one)
+
+
+def indexer_checks(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    g = _generator(torch, dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=dev, generator=g).to(dtype)
 
     # ---- indexer_scores / indexer_topk cases: (B, S, H, D, T, causal, q_start, topk)
     icases = [
@@ -281,9 +381,8 @@ def checks(torch, glm5_ops, backends, quick, dev="cuda"):
     ]
     if quick:
         icases = icases[:3] + icases[4:5]
-    dtypes = [torch.float32, torch.bfloat16] + ([] if quick else [torch.float16])
     for backend in backends:
-        for dtype in dtypes:
+        for dtype in _dtypes(torch, dtypes):
             for (B, S, H, D, T, causal, qsk, topk) in icases:
                 tag = f"{str(dtype).replace('torch.', '')} B={B} S={S} H={H} D={D} T={T} causal={causal} q_start={qsk}"
 
@@ -316,8 +415,6 @@ def checks(torch, glm5_ops, backends, quick, dev="cuda"):
 
                 run_check(f"indexer_scores/{backend}: {tag}", one_scores)
                 run_check(f"indexer_topk/{backend}: {tag} topk={topk}", one_topk)
-
-    attention_checks(torch, glm5_ops, backends, quick, dev, g)
 
 
 # --------------------------------------------------------------------------- timing
@@ -358,6 +455,7 @@ def record_time(group, impl, ms, flops=None, nbytes=None, base_ms=None, note="")
            "gbs": (nbytes / ms / 1e6) if (nbytes and ms) else None,
            "speedup": (base_ms / ms) if (base_ms and ms) else None, "note": note}
     RESULTS["timings"].append(row)
+    save_json()
     extra = []
     if row["tflops"]:
         extra.append(f"{row['tflops']:.1f} TFLOP/s")
@@ -370,6 +468,16 @@ def record_time(group, impl, ms, flops=None, nbytes=None, base_ms=None, note="")
 
 def timed(timer, group, impl, fn, **kw):
     if not wanted(f"{group} | {impl}"):
+        return None
+    if WARM:   # prewarm: compile the backends' kernels for this call, skip the baselines
+        if any(impl.startswith(be) for be in WARM):
+            t = time.time()
+            try:
+                fn()
+                timer.torch.cuda.synchronize()
+                log(f"warm {group} | {impl}: {time.time() - t:.1f}s")
+            except Exception as e:  # noqa: BLE001 - the timing section reports it
+                log(f"warm {group} | {impl}: {type(e).__name__}: {str(e)[:200]}")
         return None
     try:
         ms = timer(fn)
@@ -464,6 +572,7 @@ def timings(torch, glm5_ops, backends, quick):
         del q, w, k
         torch.cuda.empty_cache()
 
+    quantize_timings(torch, glm5_ops, backends, quick, timer)
     attention_timings(torch, glm5_ops, backends, quick, timer)
 
 
@@ -548,8 +657,31 @@ def _kv(torch, randn, B, T, Hkv, Dk, Dv, dtype, alias):
     return k, v
 
 
-def attention_checks(torch, glm5_ops, backends, quick, dev, g):
+class _Poisoned:
+    """Deterministic mode with fill_uninitialized_memory: empty tensors come
+    NaN-filled, so an output element a kernel never writes fails the checks."""
+
+    def __init__(self, torch):
+        self.torch = torch
+
+    def __enter__(self):
+        import warnings
+        torch = self.torch
+        self.old = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        warnings.filterwarnings("ignore", message=".*deterministic.*")
+        return self
+
+    def __exit__(self, *exc):
+        self.torch.use_deterministic_algorithms(self.old[0], warn_only=True)
+        self.torch.utils.deterministic.fill_uninitialized_memory = self.old[1]
+        return False
+
+
+def _attention_env(torch, dev):
     from glm5_ops import reference
+    g = _generator(torch, dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
     def randn(*shape, dtype=torch.float32):
@@ -559,19 +691,16 @@ def attention_checks(torch, glm5_ops, backends, quick, dev, g):
         if kind == "tensor":
             return torch.tensor(([0, T - S - 20] + [T - S] * B)[:B], device=dev)
         return T // 2 if kind == "int" else None
-
-    old = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)  # poison: empty tensors come NaN-filled
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        _attention_checks(torch, glm5_ops, backends, quick, dev, g, reference, sync, randn, qstart)
-    finally:
-        torch.use_deterministic_algorithms(old[0], warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = old[1]
+    return g, reference, sync, randn, qstart
 
 
-def _attention_checks(torch, glm5_ops, backends, quick, dev, g, reference, sync, randn, qstart):
-    dtypes = [torch.float32, torch.bfloat16] + ([] if quick else [torch.float16])
+def sparse_attention_checks(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    with _Poisoned(torch):
+        _sparse_attention_checks(torch, glm5_ops, backends, quick, dev, _dtypes(torch, dtypes))
+
+
+def _sparse_attention_checks(torch, glm5_ops, backends, quick, dev, dtypes):
+    g, reference, sync, randn, qstart = _attention_env(torch, dev)
     # (B, S, T, Hq, Hkv, Dk, Dv, topk, causal, q_start, alias)
     scases = [
         (2, 37, 300, 8, 2, 64, 64, 50, True, None, False),        # GQA G=4, causal
@@ -628,6 +757,14 @@ def _attention_checks(torch, glm5_ops, backends, quick, dev, g, reference, sync,
                 run_check(f"attention.sparse_fwd/{backend}: {tag}", fwd)
                 run_check(f"attention.sparse_bwd/{backend}: {tag}", bwd)
 
+
+def block_attention_checks(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    with _Poisoned(torch):
+        _block_attention_checks(torch, glm5_ops, backends, quick, dev, _dtypes(torch, dtypes))
+
+
+def _block_attention_checks(torch, glm5_ops, backends, quick, dev, dtypes):
+    g, reference, sync, randn, qstart = _attention_env(torch, dev)
     # (B, S, T, Hq, Hkv, D, Dv, block_size, topk_blocks, causal, q_start, alias, mask kind)
     bcases = [
         (2, 200, 200, 4, 2, 64, 64, 32, 3, True, None, False, "predicted"),
@@ -694,6 +831,14 @@ def _attention_checks(torch, glm5_ops, backends, quick, dev, g, reference, sync,
                 run_check(f"attention.block_fwd/{backend}: {tag}", fwd)
                 run_check(f"attention.block_bwd/{backend}: {tag}", bwd)
 
+
+def block_mask_checks(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    with _Poisoned(torch):
+        _block_mask_checks(torch, glm5_ops, backends, quick, dev)
+
+
+def _block_mask_checks(torch, glm5_ops, backends, quick, dev):
+    g, reference, sync, randn, qstart = _attention_env(torch, dev)
     # block_topk_mask: (B, S, T, H, Hkv, D, block_size, topk_blocks, causal, sink, local, pooling, q_start)
     mcases = [
         (2, 300, 300, 4, 2, 64, 32, 3, True, 1, 1, "mean", None),
@@ -705,7 +850,8 @@ def _attention_checks(torch, glm5_ops, backends, quick, dev, g, reference, sync,
     if quick:
         mcases = mcases[:3]
     for backend in backends:
-        for dtype in ([torch.float32, torch.bfloat16] if not quick else [torch.float32]):
+        low = torch.float16 if _interpreted(backend, dev) else torch.bfloat16
+        for dtype in ([torch.float32, low] if not quick else [torch.float32]):
             dn = str(dtype).replace("torch.", "")
             for (B, S, T, H, Hkv, D, bs, tb, causal, sink, local, pooling, qsk) in mcases:
                 tag = (f"{dn} B={B} S={S} T={T} H={H} Hkv={Hkv} D={D} bs={bs} topk={tb} causal={causal} "
@@ -846,34 +992,170 @@ def attention_timings(torch, glm5_ops, backends, quick, timer):
         torch.cuda.empty_cache()
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- sections and scheduling
+# Every (family, backend[, dtype]) is one child process with its own CUDA
+# context, time limit and JSON file. The check sections run concurrently, the
+# longest first (Triton compiles one kernel per specialisation, 1-10 s of CPU
+# each on a cold cache: the device's cores do that in parallel); the timing
+# sections then run one at a time, with the GPU to themselves.
 
-def run_section(args, section: str, backend: str, budget_s: int) -> None:
-    """Runs one section in a child process, so that a sticky CUDA error (an
-    illegal address, say) or a hang costs that section only."""
+class Section:
+    def __init__(self, family: str, backend: str, dtype: str | None = None, warm: bool = False):
+        fam = FAMILIES[family]
+        self.family, self.backend, self.dtype, self.warm = family, backend, dtype, warm
+        self.timing = fam["kind"] == "timing"
+        self.name = family + (f"[{dtype}]" if dtype else "")
+        self.tag = ("warm:" if warm else "") + f"{self.name}/{backend}"
+        # Longest first: Triton sections compile (fp32 kernels spill, ptxas is slowest there).
+        self.weight = 100.0 if warm else fam.get("weight", 1) * (1.0 if backend == "triton" else 0.2) + \
+            (1 if dtype == "float32" else 0)
+        # The C++/CUDA extension: every cpp section, and Triton's quantize (it compares
+        # its stochastic codes with the CUDA kernel's).
+        self.needs_build = backend == "cpp" or family == "quantize"
+        self.proc = self.path = self.thread = None
+        self.t0 = self.wall = 0.0
+        self.budget = 0
+        self.end = ""
+
+
+def family_dtypes(family: str, backend: str, dev: str, quick: bool) -> list:
+    """The dtype of each section of a family (None: one section, the family picks)."""
+    if not FAMILIES[family].get("split"):
+        return [None]
+    dts = ["float32", "bfloat16"] + ([] if quick else ["float16"])
+    if family == "moe-fused":
+        dts = ["float32", "float16"] if dev == "cpu" else (["float32", "bfloat16"] if backend == "triton" else dts)
+    if dev == "cpu" and backend == "triton":   # the interpreter has no bf16 math: fp16 instead
+        dts = [d for d in dts if d != "bfloat16"] + (["float16"] if "float16" not in dts else [])
+    return dts
+
+
+def _dtypes(torch, names):
+    return [getattr(torch, n) for n in (names or ["float32", "bfloat16", "float16"])]
+
+
+def select_sections(sections: list) -> list:
+    """--only: the sections whose name or check / timing names an --only term
+    matches; a term that matches no section at all (say "float32") keeps every
+    section, each then running only the checks whose names contain a term."""
+    if not ONLY:
+        return sections
+
+    def match(sec, term):
+        keys = [sec.name] + FAMILIES[sec.family]["prefixes"]
+        return any(term in k or k in term for k in keys)
+    if any(not any(match(sec, o) for sec in sections) for o in ONLY):
+        return sections
+    return [sec for sec in sections if any(match(sec, o) for o in ONLY)]
+
+
+PRINT_LOCK = threading.Lock()
+
+
+def _pump(proc, tag: str) -> None:
+    """Print a child's output line by line, stamped with the suite's clock and its section."""
+    for line in proc.stdout:
+        with PRINT_LOCK:
+            print(f"[{time.time() - T0:6.1f}s] {tag} | {line.rstrip()}", flush=True)
+
+
+def _start(args, sec: Section, budget: float, threads: int, nice: bool = False) -> None:
     import tempfile
-    fd, path = tempfile.mkstemp(suffix=".json")
+    fd, sec.path = tempfile.mkstemp(suffix=".json", prefix="gpu_suite_")
     os.close(fd)
-    cmd = [sys.executable, os.path.abspath(__file__), "--section", section, "--backends", backend,
-           "--json", path, "--device", args.device] + (["--quick"] if args.quick else []) + \
-        (["--only", args.only] if args.only else [])
-    log(f"--- section {section} [{backend}] ---")
+    cmd = [sys.executable, os.path.abspath(__file__), "--section", sec.family, "--backends", sec.backend,
+           "--json", sec.path, "--device", args.device] + (["--dtypes", sec.dtype] if sec.dtype else []) + \
+        (["--quick"] if args.quick else []) + (["--only", args.only] if args.only else []) + \
+        (["--warm"] if sec.warm else [])
+    env = dict(os.environ, GLM5_SUITE_CHILD="1", PYTHONUNBUFFERED="1")
+    if args.device == "cpu" and sec.backend == "triton":
+        env["TRITON_INTERPRET"] = "1"
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    if nice:   # started while the extension builds: the build (and the sections waiting for it) go first
+        env["GLM5_SUITE_NICE"] = "10"
+    sec.budget = int(budget)
+    sec.t0 = time.time()
+    sec.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True)
+    sec.thread = threading.Thread(target=_pump, args=(sec.proc, sec.tag), daemon=True)
+    sec.thread.start()
+    log(f"start {sec.tag} (limit {sec.budget}s)")
+
+
+def _finish(sec: Section, rc) -> None:
+    sec.wall = time.time() - sec.t0
+    sec.thread.join(timeout=10)
+    part = {"checks": [], "timings": []}
     try:
-        rc = subprocess.run(cmd, cwd=ROOT, timeout=budget_s).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    try:
-        with open(path) as f:
+        with open(sec.path) as f:
             part = json.load(f)
-        RESULTS["checks"] += part["checks"]
-        RESULTS["timings"] += part["timings"]
-        RESULTS.setdefault("meta", part.get("meta"))
-    except Exception:  # noqa: BLE001 - the child died before writing
+    except Exception:  # noqa: BLE001 - the child died before its first record
         pass
+    os.unlink(sec.path)
+    if sec.warm:   # compile-only run: nothing to merge
+        sec.end = "ok" if rc == 0 else f"ended with {rc}"
+        log(f"done {sec.tag} in {sec.wall:.0f}s ({sec.end})")
+        return
+    RESULTS["checks"] += part["checks"]
+    RESULTS["timings"] += part["timings"]
+    if part.get("meta"):
+        RESULTS.setdefault("meta", part["meta"])
+    passed = sum(c["ok"] for c in part["checks"])
+    sec.end = "ok" if rc == 0 else ("time limit" if rc == "timeout" else f"exit {rc}")
+    RESULTS.setdefault("sections", []).append(
+        {"section": sec.name, "backend": sec.backend, "wall_s": round(sec.wall, 1), "end": sec.end,
+         "checks": len(part["checks"]), "passed": passed, "timings": len(part["timings"])})
+    log(f"done {sec.tag} in {sec.wall:.0f}s: {passed}/{len(part['checks'])} checks passed"
+        + (f", {len(part['timings'])} timings" if part["timings"] else "") + ("" if rc == 0 else f" ({sec.end})"))
     if rc != 0:
-        record_check(f"section {section}/{backend}", False, f"child process ended with {rc} (crash, sticky CUDA error "
-                     "or timeout): results after its last line above are missing")
-    os.unlink(path)
+        record_check(f"section {sec.name}/{sec.backend}", False,
+                     f"child process ended with {rc} after {sec.wall:.0f}s (crash, sticky CUDA error or time limit "
+                     f"{sec.budget}s): the checks after its last line above are missing")
+
+
+def run_pool(args, sections: list, jobs: int, budget_s: float, phase_s: float | None = None,
+             build: "Build | None" = None) -> None:
+    """Runs `sections` as child processes, at most `jobs` at a time, longest
+    (weight) first; those that need the extension wait for `build` (a Build in
+    progress, or None). Each gets `budget_s` seconds, or what is left of the
+    phase's `phase_s`; a section that would get under 30 s is not started."""
+    import signal
+    pending = sorted(sections, key=lambda sec: -sec.weight)
+    running: list = []
+    start = time.time()
+    threads = max(1, (os.cpu_count() or 2) // max(1, jobs))
+    while pending or running:
+        while pending and len(running) < jobs:
+            waiting = build is not None and not build.done.is_set()
+            ready = [sec for sec in pending if not (sec.needs_build and waiting)]
+            if not ready:
+                break
+            left = budget_s if phase_s is None else min(budget_s, phase_s - (time.time() - start))
+            if left < 30:
+                for sec in pending:
+                    if not sec.warm:
+                        record_check(f"section {sec.name}/{sec.backend}", False,
+                                     f"not started: the phase's {phase_s:.0f}s were spent")
+                pending = []
+                break
+            sec = ready[0]
+            pending.remove(sec)
+            if sec.needs_build and build is not None and not build.ok:
+                record_check(f"section {sec.name}/{sec.backend}", False,
+                             "not run: glm5_ops._C did not build with CUDA (see the build's output above)")
+                continue
+            _start(args, sec, left, threads, nice=build is not None and not build.done.is_set())
+            running.append(sec)
+        time.sleep(0.2)
+        for sec in list(running):
+            rc = sec.proc.poll()
+            if rc is None and time.time() - sec.t0 > sec.budget:
+                os.killpg(sec.proc.pid, signal.SIGKILL)   # the child and its compilers (its own session)
+                sec.proc.wait()
+                rc = "timeout"
+            if rc is not None:
+                running.remove(sec)
+                _finish(sec, rc)
 
 
 def summary() -> None:
@@ -895,6 +1177,14 @@ def summary() -> None:
     for detail, names in list(by_detail.items())[:25]:
         more = f" (+{len(names) - 1} more like it)" if len(names) > 1 else ""
         print(f"- FAIL {names[0]}: {detail}{more}")
+    if RESULTS.get("sections"):
+        print("\n| section | backend | checks passed | timings | s | end |")
+        print("| --- | --- | ---: | ---: | ---: | --- |")
+        for r in RESULTS["sections"]:
+            print(f"| {r['section']} | {r['backend']} | {r['passed']}/{r['checks']} | {r['timings']} | "
+                  f"{r['wall_s']:.0f} | {r['end']} |")
+    if not RESULTS["timings"]:
+        return
     print("\n| case | impl | ms | TFLOP/s | GB/s | vs baseline |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     seen = set()
@@ -910,15 +1200,25 @@ def summary() -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer checks and shapes (~2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer checks and shapes")
     ap.add_argument("--skip-build", action="store_true")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-timings", action="store_true")
     ap.add_argument("--backends", default="cpp,triton")
     ap.add_argument("--device", default="cuda", help="cpu: dry-run the checks on the CPU kernels (no timings)")
     ap.add_argument("--only", default="", help="comma list of substrings: run only the checks and timings "
-                    "whose names contain one (e.g. 'topk_indices,topk fp32' or 'indexer')")
-    ap.add_argument("--section", choices=["checks", "timings", *SECTIONS], help=argparse.SUPPRESS)
+                    "whose names contain one (e.g. 'topk_indices,topk fp32' or 'indexer'), and only the "
+                    "sections they can come from")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="check sections at a time (default: CUDA min(12, cores - 2), CPU min(2, cores))")
+    ap.add_argument("--section-s", type=int, default=0,
+                    help="time limit of one check section (default 240 s, 180 with --quick; CPU 4x)")
+    ap.add_argument("--check-phase-s", type=int, default=0,
+                    help="the check phase ends by then: no section starts later, none runs past it "
+                         "(default 330 s, 270 with --quick; CPU none)")
+    ap.add_argument("--section", choices=list(FAMILIES), help=argparse.SUPPRESS)
+    ap.add_argument("--dtypes", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=os.path.join(os.environ["OUT"], "gpu_suite.json") if os.environ.get("OUT") else None)
     args = ap.parse_args()
     cpu = args.device == "cpu"
@@ -926,42 +1226,62 @@ def main():
     backends = [b for b in args.backends.split(",") if b]
 
     if args.section:  # child: one section, results to --json
+        if os.environ.get("GLM5_SUITE_NICE"):
+            os.nice(int(os.environ["GLM5_SUITE_NICE"]))
         import torch
         import glm5_ops
         name = "cpu" if cpu else torch.cuda.get_device_name()
         RESULTS["meta"] = {"torch": torch.__version__, "device": name, "quick": args.quick}
+        if args.json:
+            JSON_OUT.append(args.json)
+        if args.warm:
+            WARM.extend(backends)
+        dtypes = [d for d in args.dtypes.split(",") if d] or None
         try:
-            if args.section in SECTIONS:
-                SECTIONS[args.section](torch, glm5_ops, backends, args.quick, dev=args.device)
-            elif args.section == "checks":
-                checks(torch, glm5_ops, backends, args.quick, dev=args.device)
-            else:
-                timings(torch, glm5_ops, backends, args.quick)
+            FAMILIES[args.section]["fn"](torch, glm5_ops, backends, args.quick, args.device, dtypes)
         finally:
-            with open(args.json, "w") as f:
-                json.dump(RESULTS, f)
+            save_json()
         return
 
-    if not args.skip_build and not cpu:
-        ensure_built()
     import torch
-    import glm5_ops
     name = "cpu" if cpu else torch.cuda.get_device_name()
-    log(f"torch {torch.__version__} cuda {torch.version.cuda}; device {name}; "
-        f"glm5_ops._C WITH_CUDA={getattr(glm5_ops._backend._C, 'WITH_CUDA', None)}")
-    del torch, glm5_ops
-    for be in backends:
-        if not args.skip_checks:
-            run_section(args, "checks", be, budget_s=150 if args.quick else 200)
-    for be in backends:
-        if not args.skip_timings and not cpu:
-            run_section(args, "timings", be, budget_s=150 if args.quick else 200)
-    for name in SECTIONS:  # family sections (MoE: checks, then timings on a GPU)
-        timing = "timings" in name
-        if (timing and (cpu or args.skip_timings)) or (not timing and args.skip_checks):
-            continue
-        for be in backends:
-            run_section(args, name, be, budget_s=120 if args.quick else 180)
+    ncpu = os.cpu_count() or 2
+    jobs = args.jobs or (min(2, ncpu) if cpu else max(1, min(12, ncpu - 2)))
+    log(f"python {sys.version.split()[0]}, torch {torch.__version__} cuda {torch.version.cuda}; device {name}; "
+        f"{ncpu} CPU cores")
+    del torch
+    # The extension builds in the background while the Triton check sections compile
+    # their kernels; the sections that need it start once it is there.
+    build = Build().start() if not args.skip_build and not cpu else None
+    section_s = args.section_s or ((180 if args.quick else 240) * (4 if cpu else 1))
+    phase_s = args.check_phase_s or (None if cpu else (270 if args.quick else 330))
+
+    sections = select_sections(
+        [Section(f, be, dt) for f, fam in FAMILIES.items() if fam["kind"] == "check"
+         for be in backends for dt in family_dtypes(f, be, args.device, args.quick)]
+        + [Section(f, be) for f in ("timings", "moe-timings") for be in backends])
+    checks = [sec for sec in sections if not sec.timing]
+    timing = [] if cpu or args.skip_timings else [sec for sec in sections if sec.timing]
+    if not args.skip_checks:
+        # Triton's timing kernels compile (one call each, no timing) while the checks run,
+        # so the timing sections below find them in the cache.
+        warm = [Section(sec.family, "triton", warm=True) for sec in timing if sec.backend == "triton"]
+        log(f"=== checks: {len(checks)} sections, {jobs} at a time"
+            + (f", plus {len(warm)} Triton warm-up runs of the timing sections" if warm else "")
+            + (f"; the phase ends within {phase_s}s" if phase_s else ""))
+        t = time.time()
+        run_pool(args, warm + checks, jobs, section_s, phase_s, build)
+        log(f"=== checks done in {time.time() - t:.0f}s")
+    if build is not None and not build.done.is_set():
+        log("waiting for the build ...")
+        build.done.wait()
+    if timing:
+        log(f"=== timings: {len(timing)} sections, one at a time")
+        t = time.time()
+        for sec in timing:
+            budget = (150 if args.quick else 200) if sec.family == "timings" else (120 if args.quick else 180)
+            run_pool(args, [sec], 1, budget, build=build)
+        log(f"=== timings done in {time.time() - t:.0f}s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)
@@ -1091,85 +1411,94 @@ def _moe_dispatch_check(torch, impl, dtype, align, dev, g):
     return err <= tol, f"dispatch bit-exact, N={got[0].shape[0]}; combine rel err {err:.1e} (tol {tol:.0e})"
 
 
-def moe_section(torch, glm5_ops, backends, quick, dev="cuda"):
+def _moe_impl_lazy(torch, be, dev):
+    box = {}
+
+    def impl():
+        if "x" not in box:
+            box["x"] = _moe_impl(torch, be, dev)
+        return box["x"]
+    return impl
+
+
+def moe_route_checks(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    """moe_route (both backends), moe_dispatch + moe_combine and the bad-ids error (cpp)."""
+    with _Poisoned(torch):
+        _moe_route_checks(torch, backends, dev)
+
+
+def _moe_route_checks(torch, backends, dev):
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    g = torch.Generator(device=dev)
-    g.manual_seed(int(time.time()) & 0xFFFF)
-    # Uninitialised outputs read as NaN (torch fills them only in deterministic mode): a
-    # kernel that skips an element fails the finite checks.
-    import warnings
-    old_fill = torch.utils.deterministic.fill_uninitialized_memory
-    old_det = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    warnings.filterwarnings("ignore", message=".*deterministic.*")
-    dtypes = [torch.float32, torch.bfloat16] + ([] if quick or dev == "cpu" else [torch.float16])
-    if dev == "cpu":
-        dtypes = [torch.float32, torch.float16]   # the interpreter has no bf16 math
+    g = _generator(torch, dev)
+    for be in backends:
+        impl = _moe_impl_lazy(torch, be, dev)
+        # Triton compiles one kernel per constexpr set (a second or two each on a
+        # cold cache): fewer router shapes.
+        routes = MOE_ROUTES if be == "cpp" else MOE_ROUTES[::2]
+        for (E, ng, tg, k) in routes:
+            for dt in ([torch.float32, torch.bfloat16] if dev == "cuda" else [torch.float32]):
+                def one(E=E, ng=ng, tg=tg, k=k, dt=dt, impl=impl):
+                    r = _moe_route_check(torch, impl(), E, ng, tg, k, dt, dev, g)
+                    sync()
+                    return r
+                run_check(f"moe_route/{be}: {str(dt)[6:]} E={E} n_group={ng} topk_group={tg} k={k}", one)
+        if be == "cpp":
+            for dt in (torch.float32, torch.bfloat16):
+                for align in (1, 16):
+                    run_check(f"moe_dispatch+combine/{be}: {str(dt)[6:]} align={align}",
+                              lambda dt=dt, align=align, impl=impl: _moe_dispatch_check(torch, impl(), dt, align,
+                                                                                        dev, g))
+
+            def bad_ids(impl=impl):
+                x = torch.randn(4, 8, device=dev)
+                ids = torch.tensor([[0, 1]] * 3 + [[2, 9]], dtype=torch.int32, device=dev)
+                try:
+                    impl()["fwd"](x, torch.randn(4, 4, 8, device=dev), torch.randn(4, 8, 2, device=dev),
+                                  torch.rand(4, 2, device=dev), ids)
+                except RuntimeError as e:
+                    return "ids" in str(e), str(e).splitlines()[0][:120]
+                return False, "ids out of range were accepted"
+            run_check(f"fused_moe_fwd/{be}: bad ids raise", bad_ids)
+
+
+def moe_fused_checks(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    """fused_moe forward and backward against the reference, in the given dtypes."""
+    with _Poisoned(torch):
+        _moe_fused_checks(torch, backends, quick, dev, _dtypes(torch, dtypes))
+
+
+def _moe_fused_checks(torch, backends, quick, dev, dtypes):
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    g = _generator(torch, dev)
     cases = MOE_CASES if not (quick or dev == "cpu") else [c for c in MOE_CASES if c[0] * c[4] <= 3000]
-    try:
-        for be in backends:
-            impl_box = {}
+    for be in backends:
+        impl = _moe_impl_lazy(torch, be, dev)
+        paths = [("", None)]
+        if be == "cpp" and dev == "cuda":
+            paths.append((" [GEMM loop]", "loop"))
+        for (T, E, k, D, I, kind) in cases:
+            for dt in dtypes:
+                # Triton: fp32 only in the BLOCK_M=32 tile config (fewer compiles on a cold cache)
+                if be == "triton" and dev == "cuda" and (dt == torch.float16 or
+                                                         (dt == torch.float32 and T * k > 32 * E)):
+                    continue
+                for tag, mode in paths:
+                    if mode and dt != torch.bfloat16:
+                        continue   # the grouped GEMM path exists for bf16 only
 
-            def impl(be=be):
-                if "x" not in impl_box:
-                    impl_box["x"] = _moe_impl(torch, be, dev)
-                return impl_box["x"]
-
-            # Triton compiles one kernel per constexpr set (a second or two each on a
-            # cold cache): fewer router shapes and fp32 only in the BLOCK_M=32 tile config.
-            routes = MOE_ROUTES if be == "cpp" else MOE_ROUTES[::2]
-            for (E, ng, tg, k) in routes:
-                for dt in ([torch.float32, torch.bfloat16] if dev == "cuda" else [torch.float32]):
-                    def one(E=E, ng=ng, tg=tg, k=k, dt=dt):
-                        r = _moe_route_check(torch, impl(), E, ng, tg, k, dt, dev, g)
-                        sync()
+                    def one(T=T, E=E, k=k, D=D, I=I, kind=kind, dt=dt, mode=mode, impl=impl):
+                        old = os.environ.pop("GLM5_MOE_GEMM", None)
+                        if mode:
+                            os.environ["GLM5_MOE_GEMM"] = mode
+                        try:
+                            r = _moe_fused_check(torch, impl(), T, E, k, D, I, kind, dt, dev, g)
+                            sync()
+                        finally:
+                            os.environ.pop("GLM5_MOE_GEMM", None)
+                            if old is not None:
+                                os.environ["GLM5_MOE_GEMM"] = old
                         return r
-                    run_check(f"moe_route/{be}: {str(dt)[6:]} E={E} n_group={ng} topk_group={tg} k={k}", one)
-            if be == "cpp":
-                for dt in (torch.float32, torch.bfloat16):
-                    for align in (1, 16):
-                        run_check(f"moe_dispatch+combine/{be}: {str(dt)[6:]} align={align}",
-                                  lambda dt=dt, align=align: _moe_dispatch_check(torch, impl(), dt, align, dev, g))
-
-                def bad_ids():
-                    x = torch.randn(4, 8, device=dev)
-                    ids = torch.tensor([[0, 1]] * 3 + [[2, 9]], dtype=torch.int32, device=dev)
-                    try:
-                        impl()["fwd"](x, torch.randn(4, 4, 8, device=dev), torch.randn(4, 8, 2, device=dev),
-                                      torch.rand(4, 2, device=dev), ids)
-                    except RuntimeError as e:
-                        return "ids" in str(e), str(e).splitlines()[0][:120]
-                    return False, "ids out of range were accepted"
-                run_check(f"fused_moe_fwd/{be}: bad ids raise", bad_ids)
-            paths = [("", None)]
-            if be == "cpp" and dev == "cuda":
-                paths.append((" [GEMM loop]", "loop"))
-            for (T, E, k, D, I, kind) in cases:
-                for dt in dtypes:
-                    if be == "triton" and dev == "cuda" and (dt == torch.float16 or
-                                                             (dt == torch.float32 and T * k > 32 * E)):
-                        continue
-                    for tag, mode in paths:
-                        if mode and dt != torch.bfloat16:
-                            continue   # the grouped GEMM path exists for bf16 only
-
-                        def one(T=T, E=E, k=k, D=D, I=I, kind=kind, dt=dt, mode=mode):
-                            old = os.environ.pop("GLM5_MOE_GEMM", None)
-                            if mode:
-                                os.environ["GLM5_MOE_GEMM"] = mode
-                            try:
-                                r = _moe_fused_check(torch, impl(), T, E, k, D, I, kind, dt, dev, g)
-                                sync()
-                            finally:
-                                os.environ.pop("GLM5_MOE_GEMM", None)
-                                if old is not None:
-                                    os.environ["GLM5_MOE_GEMM"] = old
-                            return r
-                        run_check(f"fused_moe/{be}{tag}: {str(dt)[6:]} T={T} E={E} k={k} D={D} I={I} {kind}", one)
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = old_fill
-        torch.use_deterministic_algorithms(old_det)
+                    run_check(f"fused_moe/{be}{tag}: {str(dt)[6:]} T={T} E={E} k={k} D={D} I={I} {kind}", one)
 
 
 def moe_timing_section(torch, glm5_ops, backends, quick, dev="cuda"):
@@ -1274,8 +1603,186 @@ def _moe_timings(torch, be, quick):
     torch.cuda.empty_cache()
 
 
-# Extra child sections, run after the indexer's: name -> fn(torch, glm5_ops, backends, quick, dev).
-SECTIONS = {"moe": moe_section, "moe-timings": moe_timing_section}
+# --------------------------------------------------------------------------- quantize (issue 5)
+# quantize_groupwise / dequantize of every backend against glm5_ops.reference:
+# scale and zero bit-exact, codes off by one only at rounding ties, dequantize
+# within 2 ulp; stochastic rounding within one code of v and bit-identical
+# across backends (one counter-based hash), including the seeds whose key is 0
+# and 1 (a key equal to 1 once compiled as a Triton constexpr). Timed in the
+# "timings" section against the measured device-to-device copy bandwidth.
+
+# (bits, group_size, dtype): every width, power-of-two and odd groups, GLM-5's
+# hidden size as one group (the one-group-per-program path); a few compiles each.
+QUANT_CASES = [(8, 128, "float32"), (4, 128, "float32"), (2, 128, "float32"), (4, 32, "bfloat16"),
+               (8, 256, "float16"), (2, 96, "bfloat16"), (4, 6144, "bfloat16"), (8, 64, "float16")]
+QUANT_SEEDS = [33350994, 3343701148, 42]   # seed_key 0, seed_key 1, an ordinary one
+QUANT_BENCH = (16384, 6144)                # bf16 activations: one 16K-token batch at GLM-5's hidden size
+
+
+def quantize_checks(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    with _Poisoned(torch):
+        _quantize_checks(torch, glm5_ops, backends, quick, dev)
+
+
+def _quantize_codes(torch, packed, bits):
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    return ((packed.reshape(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1).long()
+
+
+def _quantize_checks(torch, glm5_ops, backends, quick, dev):
+    from glm5_ops import reference
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    g = _generator(torch, dev)
+    cases = QUANT_CASES[:4] + QUANT_CASES[6:7] if quick else QUANT_CASES
+    for be in backends:
+        for bits, gs, dn in cases:
+            dtype = getattr(torch, dn)
+            if _interpreted(be, dev) and dtype == torch.bfloat16:
+                dtype, dn = torch.float16, "float16"
+            rows = max(4, 8192 // gs)
+
+            def make(gs=gs, dtype=dtype, rows=rows):
+                x = (torch.randn(rows, 2 * gs, device=dev, generator=g) * 3).to(dtype)
+                x[0, :gs] = 1.5                                  # a constant group: scale 0, codes 0
+                x[1, 3] = 1e4                                    # one outlier: a wide group
+                return x
+
+            def det(bits=bits, gs=gs, dtype=dtype, be=be, make=make):
+                x = make()
+                with glm5_ops.use_backend(be):
+                    packed, scale, zero = glm5_ops.quantize_groupwise(x, bits, gs)
+                    y = glm5_ops.dequantize(packed, scale, zero, bits, gs, x.shape, dtype=dtype)
+                sync()
+                rp, rs, rz = reference.quantize_groupwise(x, bits, gs)
+                if packed.dtype != torch.uint8 or packed.shape != rp.shape or scale.shape != rs.shape:
+                    return False, f"got {packed.dtype}{tuple(packed.shape)} scale {tuple(scale.shape)}"
+                if not (torch.equal(scale, rs) and torch.equal(zero, rz)):
+                    n = int((scale != rs).sum() + (zero != rz).sum())
+                    return False, f"scale/zero differ from the reference in {n} groups"
+                diff = (_quantize_codes(torch, packed, bits) - _quantize_codes(torch, rp, bits)).abs()
+                ties = (diff > 0).float().mean().item()
+                if diff.max().item() > 1 or ties > 1e-3:
+                    return False, f"codes differ by up to {diff.max().item()} ({ties:.1e} of them)"
+                # dequantize of the same codes: zero + q * scale in fp32 within 2 ulp of the
+                # group's largest term (an FMA may fuse it), then one rounding to the output dtype
+                ry = reference.dequantize(packed, scale, zero, bits, gs, x.shape, dtype)
+                if y.dtype != dtype or y.shape != x.shape or not torch.isfinite(y).all():
+                    return False, f"dequantize: {y.dtype} {tuple(y.shape)} or non-finite entries"
+                mag = (zero.abs() + scale * ((1 << bits) - 1)).repeat_interleave(gs).reshape(x.shape)
+                out_eps = 0.0 if dtype == torch.float32 else (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+                bound = 2 ** -22 * mag + out_eps * ry.float().abs() + 1e-30
+                err = ((y.float() - ry.float()).abs() / bound).max().item()
+                return err <= 1, (f"codes off by one at {ties:.1e} (ties); dequantize within {err:.2f} of its "
+                                  "bound (2 ulp of the group's range + 1 ulp of the output dtype)")
+
+            def stoch(bits=bits, gs=gs, dtype=dtype, be=be, make=make):
+                x = make()
+                rp, rs, rz = reference.quantize_groupwise(x, bits, gs)
+                v = ((x.float().reshape(-1, gs) - rz[:, None]) / torch.where(rs > 0, rs, 1)[:, None]).reshape(-1)
+                msgs = []
+                for seed in QUANT_SEEDS:
+                    with glm5_ops.use_backend(be):
+                        packed, scale, zero = glm5_ops.quantize_groupwise(x, bits, gs, stochastic=True, seed=seed)
+                    sync()
+                    if not (torch.equal(scale, rs) and torch.equal(zero, rz)):
+                        return False, f"seed {seed}: scale/zero differ from the deterministic ones"
+                    q = _quantize_codes(torch, packed, bits).float()
+                    off = (q - v).abs().max().item()
+                    if off >= 1 + 1e-3:
+                        return False, f"seed {seed}: a code {off:.3f} away from v (stochastic rounding stays within 1)"
+                    if be != "cpp":   # same hash as the C++/CUDA kernels: the same codes
+                        try:
+                            with glm5_ops.use_backend("cpp"):
+                                cp = glm5_ops.quantize_groupwise(x, bits, gs, stochastic=True, seed=seed)[0]
+                            sync()
+                        except (NotImplementedError, RuntimeError, ImportError) as e:
+                            msgs.append(f"no cpp result to compare ({type(e).__name__})")
+                            continue
+                        if not torch.equal(cp, packed):
+                            return False, f"seed {seed}: codes differ from the cpp backend's (same hash)"
+                        msgs.append(f"seed {seed} = cpp")
+                return True, "within one code of v" + (f"; {', '.join(msgs)}" if msgs else "")
+
+            tag = f"{dn} bits={bits} group={gs} x[{rows},{2 * gs}]"
+            run_check(f"quantize/{be}: {tag}", det)
+            run_check(f"quantize/{be}: stochastic {tag}", stoch)
+
+
+def _bw_note(ms, nbytes, bw):
+    if ms and bw:
+        note = f"{nbytes / ms / 1e6 / bw:.0%} of the measured copy bandwidth {bw:.0f} GB/s"
+        RESULTS["timings"][-1]["note"] = note
+        log(f"    {note}")
+
+
+def quantize_timings(torch, glm5_ops, backends, quick, timer):
+    """quantize_groupwise and dequantize of a bf16 [16384, 6144] activation (201 MB)
+    against the measured device-to-device copy bandwidth (read + write)."""
+    dev = "cuda"
+    src = torch.empty(256 * 2 ** 20, dtype=torch.float32, device=dev)   # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = timed(timer, "memory bandwidth (1 GiB copy)", "torch copy_", lambda: dst.copy_(src),
+                    nbytes=2 * src.numel() * 4)
+    del src, dst
+    bw = 2 * 2 ** 30 / copy_ms / 1e6 if copy_ms else None   # GB/s
+    R, C = QUANT_BENCH
+    x = torch.randn(R, C, device=dev).bfloat16()
+    n = x.numel()
+    for bits in ([8, 4] if quick else [8, 4, 2]):
+        gs = 128
+        G = n // gs
+        qbytes = n * 2 + n * bits // 8 + G * 8             # read x, write codes + scale + zero
+        group = f"quantize bf16 [{R},{C}] bits={bits} group={gs}"
+        for be in backends:
+            def fq(be=be, bits=bits):
+                with glm5_ops.use_backend(be):
+                    return glm5_ops.quantize_groupwise(x, bits, gs)
+            _bw_note(timed(timer, group, f"{be} quantize_groupwise", fq, nbytes=qbytes), qbytes, bw)
+            with glm5_ops.use_backend(be):
+                packed, scale, zero = glm5_ops.quantize_groupwise(x, bits, gs)
+
+            def fd(be=be, bits=bits, packed=packed, scale=scale, zero=zero):
+                with glm5_ops.use_backend(be):
+                    return glm5_ops.dequantize(packed, scale, zero, bits, gs, x.shape, dtype=torch.bfloat16)
+            _bw_note(timed(timer, group, f"{be} dequantize", fd, nbytes=qbytes), qbytes, bw)
+            del packed, scale, zero
+    del x
+    torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- section registry
+# family -> fn(torch, glm5_ops, backends, quick, dev, dtypes), its kind, whether it
+# is split into one section per dtype, a weight (longest first: Triton compiles),
+# and the prefixes of its check / timing names (for --only).
+
+def _timing_fn(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    timings(torch, glm5_ops, backends, quick)
+
+
+def _moe_timing_fn(torch, glm5_ops, backends, quick, dev="cuda", dtypes=None):
+    moe_timing_section(torch, glm5_ops, backends, quick, dev)
+
+
+FAMILIES = {
+    "attention-sparse": dict(fn=sparse_attention_checks, kind="check", split=True, weight=10,
+                             prefixes=["attention.sparse_fwd/", "attention.sparse_bwd/"]),
+    "attention-block": dict(fn=block_attention_checks, kind="check", split=True, weight=9,
+                            prefixes=["attention.block_fwd/", "attention.block_bwd/"]),
+    "moe-fused": dict(fn=moe_fused_checks, kind="check", split=True, weight=9, prefixes=["fused_moe/"]),
+    "indexer": dict(fn=indexer_checks, kind="check", split=True, weight=6,
+                    prefixes=["indexer_scores/", "indexer_topk/"]),
+    "attention-mask": dict(fn=block_mask_checks, kind="check", weight=6, prefixes=["attention.block_topk_mask/"]),
+    "topk": dict(fn=topk_checks, kind="check", weight=4, prefixes=["topk_indices/"]),
+    "quantize": dict(fn=quantize_checks, kind="check", weight=4, prefixes=["quantize/"]),
+    "moe-route": dict(fn=moe_route_checks, kind="check", weight=3,
+                      prefixes=["moe_route/", "moe_dispatch+combine/", "fused_moe_fwd/"]),
+    "timings": dict(fn=_timing_fn, kind="timing",
+                    prefixes=["topk fp32", "indexer bf16", "indexer_topk/", "indexer_scores/", "quantize bf16",
+                              "memory bandwidth", "attention sparse", "attention block-sparse"]),
+    "moe-timings": dict(fn=_moe_timing_fn, kind="timing",
+                        prefixes=["fused_moe fwd", "bf16 matmul peak", "perf target/", "fused_moe/"]),
+}
 
 
 
