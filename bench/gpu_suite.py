@@ -6,10 +6,12 @@ path against glm5_ops.reference, then the key benchmarks. Under 8 minutes.
     python3 bench/gpu_suite.py --device cpu --quick      # dry run on the CPU kernels
 
 Flow:
-1. Build: if glm5_ops._C is missing or was built without CUDA, builds the
-   extension in place (python setup.py build_ext --inplace, MAX_JOBS = cores,
-   TORCH_CUDA_ARCH_LIST=9.0a); equivalent to
-   `pip install --no-build-isolation --no-deps -e .` for this purpose.
+1. Build, IN THE BACKGROUND: if glm5_ops._C is missing or was built without
+   CUDA, builds the extension (python setup.py build_ext --build-lib
+   build/gpu_suite_lib, MAX_JOBS = cores, TORCH_CUDA_ARCH_LIST=9.0a) and renames
+   it into glm5_ops/ once complete (pip install --no-build-isolation --no-deps
+   -e . if that fails). The sections that need it (every cpp one, Triton's
+   quantize) wait for it; the others start at once, niced while it runs.
 2. Checks, CONCURRENTLY: one child process per (family, backend[, dtype]),
    at most --jobs at a time (default min(12, cores - 2): 12 on the device's
    16 cores; 2 on a CPU dry run), longest first, each with its own CUDA
@@ -19,7 +21,7 @@ Flow:
    dispatch + combine), moe-fused (fused experts forward/backward), quantize
    (quantize_groupwise / dequantize, deterministic and stochastic); the big
    families get one section per dtype (fp32 / bf16 / fp16). Triton JIT-compiles
-   ~200 kernels on a cold cache (1-10 s of one core each), which is why the
+   ~200 kernels on a cold cache (0.2-10 s of one core each), which is why the
    sections run in parallel. Meanwhile one "warm:" child per Triton timing
    section calls each timed Triton op once (compiling it, timing nothing), so the
    timing phase finds its kernels cached. No section starts after the phase's
@@ -45,11 +47,23 @@ the suite's clock and prefixed with its section, e.g.
 A crash, a sticky CUDA error or a hang costs its section only (the child's
 checks up to then are kept: it rewrites its JSON after every record).
 
-Expected wall time on the device (H200, 16 cores, bare: cold Triton cache, no
-extension): build ~2-3 min (nvcc, the slowest .cu file bounds it), checks
-~2-2.5 min (the longest Triton section's compiles), timings ~1.5 min;
-about 5.5-6.5 min in all, --quick about 4.5. With --skip-build (or a built
-extension) subtract the build.
+Expected wall time on the device (H200, 16 cores, bare: no extension, cold
+Triton cache), about 4-5 minutes, --quick about 3.5:
+- build ~1.5 min, in the background: 15 files compile in parallel, so the
+  slowest bounds it (topk.cu 59 s, the other .cu 39-48 s, the .cpp 20-29 s,
+  each on one core here); the niced Triton sections take the idle cores;
+- checks ~2 min in all, build included: the cpp sections (a few seconds to
+  ~20 s each) start once it is done; Triton compiles ~400 core-seconds of
+  kernels (measured here for sm_90 with triton 3.6, cold cache, no launch:
+  attention-sparse fp32 48 s for its 16 kernels, bf16 23 s; block 41 s,
+  MoE 85 s, indexer + top-k 120 s, block_topk_mask 5 s for every dtype),
+  spread over 12 processes, the longest section about a minute;
+- timings ~1.5-2.5 min: four sections of tens of timed calls each (most are
+  microseconds to milliseconds: one second each at most), whose Triton
+  kernels were compiled during the checks.
+Assumes the device's cores are about as fast as this 2-core machine's
+(Xeon); the check phase stops starting sections at 330 s and the section
+limits (240 s checks, 200/180 s timings) bound a hang.
 
 Options: --quick (fewer cases and shapes), --skip-build, --skip-checks,
 --skip-timings, --backends cpp,triton, --only NAME[,NAME] (substrings of check
@@ -1041,8 +1055,8 @@ def select_sections(sections: list) -> list:
     if not ONLY:
         return sections
 
-    def match(sec, term):
-        keys = [sec.name] + FAMILIES[sec.family]["prefixes"]
+    def match(sec, term):   # by family and check-name prefixes (a dtype alone selects no section)
+        keys = [sec.family] + FAMILIES[sec.family]["prefixes"]
         return any(term in k or k in term for k in keys)
     if any(not any(match(sec, o) for sec in sections) for o in ONLY):
         return sections
