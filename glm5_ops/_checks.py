@@ -8,14 +8,19 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def dtype_name(d: torch.dtype) -> str:
+    """'bfloat16' for torch.bfloat16: how error messages name a dtype."""
+    return str(d).replace("torch.", "")
+
+
 def tensor(t, name: str, shape: str, rank: int | None = None, dtypes=FLOAT_DTYPES) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor of shape {shape}, got {type(t).__name__}")
     if rank is not None and t.dim() != rank:
         raise ValueError(f"{name} must have shape {shape} (rank {rank}), got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+        names = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {dtype_name(t.dtype)}")
     return t
 
 

@@ -45,12 +45,9 @@ from . import reference
 from ._backend import _C, cpp_ops, current_backend, dispatch, triton_module
 from .reference import MoEPlan
 
+
 MOE_FLOAT_DTYPES = check.FLOAT_DTYPES + (torch.float64,)
 _INT32_MAX = 2**31 - 1
-
-
-def _dtype_name(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
 
 
 def _int(value, name: str, lo: int, hi: int = _INT32_MAX) -> int:
@@ -197,7 +194,7 @@ def fused_moe(x, w_gate_up, w_down, weights, ids):
                          f"got shape {tuple(w_down.shape)}")
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if w.dtype != x.dtype:
-            raise TypeError(f"{name} must have the dtype of x ({_dtype_name(x.dtype)}), got {_dtype_name(w.dtype)}")
+            raise TypeError(f"{name} must have the dtype of x ({check.dtype_name(x.dtype)}), got {check.dtype_name(w.dtype)}")
     check.tensor(ids, "ids", f"[T={T},k]", rank=2, dtypes=check.INDEX_DTYPES)
     check.dim(ids, "ids", f"[T={T},k]", 0, T, "T")
     k = ids.shape[1]

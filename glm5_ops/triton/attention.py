@@ -80,6 +80,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
+from .._checks import dtype_name
 from ._limits import launch_guard, smem_limit
 
 LOG2E = 1.4426950408889634
@@ -349,7 +350,7 @@ def _sparse_bwd_kernel(
 
 def _what(op: str, q, k, v) -> str:
     return (f"triton {op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} in "
-            f"{str(q.dtype).replace('torch.', '')} does not fit one program on this GPU (use bf16/fp16 "
+            f"{dtype_name(q.dtype)} does not fit one program on this GPU (use bf16/fp16 "
             "or smaller head dims, or the 'cpp' backend)")
 
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import dtype_name
 from ._limits import launch_guard, smem_limit
 
 # Upper bound on the fp32 scores workspace of indexer_topk, in elements
@@ -168,7 +169,7 @@ def _scores_config(D: int, H: int, dtype: torch.dtype, smem: int) -> dict:
         bt //= 2
     need = _scores_smem(D_PAD, 16, 16, item, 1)
     raise NotImplementedError(
-        f"triton indexer_scores: q/k with D={D} (H={H}) in {str(dtype).replace('torch.', '')} need "
+        f"triton indexer_scores: q/k with D={D} (H={H}) in {dtype_name(dtype)} need "
         f"~{need} bytes of shared memory per program even with 16 heads x 16 keys, over this GPU's {smem}; "
         "use fp16/bf16 inputs or the 'cpp' backend")
 
@@ -187,7 +188,7 @@ def _launch_scores(q, w, k, q_start, causal, out, b0, nb, s0, ns, store_dead=Tru
         raise NotImplementedError(f"triton indexer_scores: S={ns} queries in one launch exceed the grid "
                                   f"limit ({_MAX_GRID_YZ * BLOCK_S}); use indexer_topk or split the queries")
     def what():
-        return f"triton indexer_scores: q {tuple(q.shape)} {str(q.dtype).replace('torch.', '')}, T={T} (tiles {cfg})"
+        return f"triton indexer_scores: q {tuple(q.shape)} {dtype_name(q.dtype)}, T={T} (tiles {cfg})"
     for bc in range(0, nb, _MAX_GRID_YZ):   # CUDA grid dims 1 and 2 stop at 65535
         nbc = min(_MAX_GRID_YZ, nb - bc)
         grid = (triton.cdiv(T, cfg["BLOCK_T"]), triton.cdiv(ns, BLOCK_S), nbc)

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import dtype_name
 from ._limits import launch_guard
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -199,7 +200,7 @@ def moe_route(h, gate_w, bias, top_k: int, n_group: int, topk_group: int,
     if EP > 512:
         item = 2 if same16 else 4
         stages, BLOCK_K = 2, max(16, min(BLOCK_K, (64 * 1024) // (EP * item)))
-    with launch_guard(lambda: f"triton moe_route: h {tuple(h.shape)} {str(h.dtype).replace('torch.', '')}, "
+    with launch_guard(lambda: f"triton moe_route: h {tuple(h.shape)} {dtype_name(h.dtype)}, "
                               f"E={E}, n_group={n_group}, top_k={top_k}"):
         _route_kernel[(triton.cdiv(T, BLOCK_T),)](
             h, gate_w, bias, weights, ids,
