@@ -7,6 +7,11 @@ Environment:
   MAX_JOBS              parallel compile jobs (honoured by ninja)
   GLM5_CPU_ARCH         -march for the CPU sources (default: x86-64-v4 where the
                         build machine has AVX-512, else x86-64-v3)
+  GLM5_SANITIZE=1       CPU sources only, built with AddressSanitizer and
+                        UndefinedBehaviorSanitizer (-O1 -g; UB aborts); run with
+                        libasan preloaded (scripts/sanitize.sh does both)
+  GLM5_PLANT_OOB=1      test only: defines GLM5_PLANT_OOB, which plants one
+                        out-of-bounds read for the sanitizer job to catch
 
 Build with the torch that will run it:  pip install --no-build-isolation -e .
 """
@@ -74,10 +79,26 @@ def cpu_arch_flags():
     return ([f"-march={arch}"] if arch else []) + vec
 
 
+def sanitize_flags():
+    """(compile, link) flags for GLM5_SANITIZE=1: ASan + UBSan, every UB report
+    fatal, so an out-of-bounds read or a division by zero fails the run even
+    where it happens not to crash."""
+    if os.environ.get("GLM5_SANITIZE") != "1":
+        return [], []
+    san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+    plant = ["-DGLM5_PLANT_OOB"] if os.environ.get("GLM5_PLANT_OOB") == "1" else []
+    return ["-O1", "-g"] + san + plant, san
+
+
 def extension():
     sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-fopenmp", "-DGLM5_WITH_OPENMP"] + cpu_arch_flags()
-    kwargs = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"])
+    san_cxx, san_link = sanitize_flags()
+    # the sanitizer flags come last: their -O1 overrides -O3
+    cxx = ["-O3", "-fopenmp", "-DGLM5_WITH_OPENMP"] + cpu_arch_flags() + san_cxx
+    kwargs = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"] + san_link)
+    if san_cxx:
+        print("[glm5] building CPU kernels only, with ASan + UBSan (GLM5_SANITIZE=1)", flush=True)
+        return cx.CppExtension("glm5_ops._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
     if want_cuda():
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         print(f"[glm5] building CPU + CUDA kernels (CUDA_HOME={cx.CUDA_HOME}, "

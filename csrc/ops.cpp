@@ -6,7 +6,7 @@
 // the op and backend named.
 //
 // Shapes: B batch, S queries, T keys, H heads, D head dim, E experts.
-// See shared/ARCHITECTURE.md section 3 and glm5_ops/reference.py (the spec).
+// See docs/ARCHITECTURE.md ("The op contract") and glm5_ops/reference.py (the spec).
 
 #include <torch/library.h>
 

@@ -1,7 +1,7 @@
 """Named ranges for profilers: `with nvtx_range("layer3/attn/core"): ...`.
 
 The model and the ops mark every component with a range named like the
-architecture (shared/ARCHITECTURE.md §4), so an Nsight Systems timeline or a
+architecture (docs/ARCHITECTURE.md, "NVTX ranges"), so an Nsight Systems timeline or a
 torch.profiler trace reads like the network. Ranges cost one flag check while
 recording is off (the default); `profiling/` switches recording on.
 

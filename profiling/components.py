@@ -1,7 +1,7 @@
 """Range names -> the architecture's components, and a torch.profiler trace ->
 time per component.
 
-The model names every range like the architecture (shared/ARCHITECTURE.md §4):
+The model names every range like the architecture (docs/ARCHITECTURE.md, "NVTX ranges"):
 `layer3/attn/indexer`, `layer3/moe/experts`, `lm_head`, ... A range belongs to
 a component by its last path parts (its suffix), so any layer prefix (and
 `mtp/...`) maps the same way. Ranges that match no component (a `layer3`

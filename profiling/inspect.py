@@ -8,7 +8,7 @@ Prints parameters and active parameters, FLOPs per token against context
 (DSA and dense attention, decode and prefill), KV + indexer cache bytes per
 token and the indexer's share of attention FLOPs (conventions:
 models/glm5/accounting.py). For seed-1.8t, or with --claims, it adds the seed
-article's claims (shared/seed) next to what the configuration gives.
+article's claims (docs/ARCHITECTURE.md, "The seed article") next to what the configuration gives.
 
 Import it as profiling.inspect (profiling/cli.py does); run as a script from
 inside profiling/ it would shadow the standard library's inspect.

@@ -1,7 +1,7 @@
 // Top-k selection on the CPU without sorting: map scores to order-preserving
 // uint32 keys, guess a threshold from a sample, keep the few candidates above
 // it in one pass, then finish with up to three radix-histogram passes over the
-// candidates (11 + 11 + 10 bits). See shared/KERNEL_NOTES.md "Top-k selection".
+// candidates (11 + 11 + 10 bits). See docs/KERNELS.md, "Top-k selection".
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // topk_indices on CUDA: a radix select in the style of SGLang's fast_topk
-// (shared/KERNEL_NOTES.md "Top-k selection"), one thread block per row.
+// (docs/KERNELS.md, "Top-k selection"), one thread block per row.
 //
 // Per row (len elements, k wanted):
 //  1. Coarse pass: an 11-bit histogram in shared memory of coarse_bin(x), the

@@ -185,7 +185,7 @@ def _glm5() -> GLM5Config:
 
 
 def _seed_1_8t() -> GLM5Config:
-    """The seed article's design (shared/seed): 128 experts with 8-12 active,
+    """The seed article's design (docs/ARCHITECTURE.md, "The seed article"): 128 experts with 8-12 active,
     ~1.8T parameters, compute of a ~200B dense model, each query reading the
     top 5% of keys at 32K, the predictor (indexer) within 3% of total compute.
 

@@ -18,7 +18,7 @@ from transformers is how each piece computes, not what:
   moe_dispatch + per-expert GEMMs + moe_combine) so a profile sees each part.
 
 Every component is wrapped in a glm5_ops.nvtx range named as in
-shared/ARCHITECTURE.md §4 (layer{i}/attn/indexer, layer{i}/moe/experts, ...).
+docs/ARCHITECTURE.md, "NVTX ranges" (layer{i}/attn/indexer, layer{i}/moe/experts, ...).
 """
 from __future__ import annotations
 
