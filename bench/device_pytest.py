@@ -33,8 +33,9 @@ def _matches(name: str, patterns) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in patterns)
 
 
-def shards(pattern: str, out_dir: str, limit_s: float, pytest_args: list) -> list:
-    """One Job per shard of the test files matching `pattern` (relative to the repo root)."""
+def shards(pattern: str, out_dir: str, limit_s: float, pytest_args: list, threads: int = 1) -> list:
+    """One Job per shard of the test files matching `pattern` (relative to the repo
+    root); each shard's torch gets `threads` CPU threads (the cores over the shards)."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = []
     for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
@@ -45,7 +46,7 @@ def shards(pattern: str, out_dir: str, limit_s: float, pytest_args: list) -> lis
             results = os.path.join(out_dir, label + ".jsonl")
             cmd = [sys.executable, "-m", "pytest", os.path.relpath(path, ROOT), "-q", "-rfE", "-p", "no:cacheprovider",
                    "-p", "pytest_results", *(["-k", expr] if expr else []), *pytest_args]
-            env = {"GLM5_PYTEST_RESULTS": results,
+            env = {"GLM5_PYTEST_RESULTS": results, "OMP_NUM_THREADS": str(threads),
                    "PYTHONPATH": os.pathsep.join(p for p in (BENCH, os.environ.get("PYTHONPATH")) if p)}
             weight = HEAVY.get(name, 1) * (2 if part == "triton" else 1)
             needs_build = not (name in NO_BUILD_FILES or (part == "triton" and name in NO_BUILD_TRITON_PARTS))

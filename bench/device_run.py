@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -134,7 +135,7 @@ def main() -> int:
     if not args.skip_tests:
         pattern = args.tests or ("tests/test_device_*.py" if cpu else "tests/test_*.py")
         shard_jobs = shards(pattern, os.path.join(args.out, "pytest"), args.shard_s or (900 if cpu else 300),
-                            args.pytest_args.split())
+                            shlex.split(args.pytest_args), threads=max(1, ncpu // jobs))
         warm = [] if cpu or args.skip_timings or "triton" not in backends else \
             [timing_job(m, args, ["triton"], args.out, warm=True) for m in TIMING_MODULES]
         phase_s = args.tests_phase_s or (None if cpu else 420)
