@@ -75,7 +75,8 @@ def shard_results(job) -> dict:
     if not clean:
         failures.append(f"{job.name}: {job.end} after {job.wall:.0f}s (crash, hang or time limit: the tests after "
                         f"its last result are missing; see {os.path.relpath(job.log_path, ROOT)})")
-    return {"shard": job.name, "seconds": round(job.wall, 1), "end": job.end, **counts, "failures": failures}
+    end = "no test selected" if job.end == "exit 5" else job.end
+    return {"shard": job.name, "seconds": round(job.wall, 1), "end": end, **counts, "failures": failures}
 
 
 def markdown(results: list) -> str:
