@@ -5,7 +5,7 @@ family, saved as JSON under runs/, and compared against a saved run.
     glm5-lab bench                               # all families; JSON -> runs/bench-<time>.json
     glm5-lab bench --filter moe_route --compare runs/bench-old.json   # exit 1 when a median got slower
     glm5-lab bench --load runs/bench-new.json --compare runs/bench-old.json   # tables of a saved run
-    glm5-lab bench --gpu-suite [--suite-args=--quick]   # bench/gpu_suite.py on a CUDA machine
+    glm5-lab bench --gpu-suite [--suite-args=--quick]   # bench/device_run.py on a CUDA machine
 
 The tables and the comparison are bench/report.py's (also a script there).
 """
@@ -43,9 +43,9 @@ def add_parser(subparsers):
                    help="slowdown of the median that counts as a regression (default 0.10 = 10%%)")
     p.add_argument("--out", metavar="JSON", help="where to save this run (default runs/bench-<time>.json)")
     p.add_argument("--load", metavar="RUN.json", help="print (and --compare) a saved run instead of running the suite")
-    p.add_argument("--gpu-suite", action="store_true", help="run bench/gpu_suite.py instead (needs a CUDA device)")
+    p.add_argument("--gpu-suite", action="store_true", help="run bench/device_run.py instead: build, tests/ on the GPU, timings (needs a CUDA device)")
     p.add_argument("--suite-args", default="", metavar="ARGS",
-                   help="arguments for bench/gpu_suite.py, written --suite-args=\"--quick --only attention\"")
+                   help="arguments for bench/device_run.py, written --suite-args=\"--quick --only attention\"")
     p.set_defaults(parser=p)
     return p
 
@@ -54,7 +54,7 @@ def _check(args) -> None:
     if args.gpu_suite:
         clash = [f for f in ("filter", "compare", "load", "out") if getattr(args, f)]
         if clash:
-            raise UsageError(f"--gpu-suite runs bench/gpu_suite.py; --{clash[0]} applies to the pytest suite")
+            raise UsageError(f"--gpu-suite runs bench/device_run.py; --{clash[0]} applies to the pytest suite")
     elif args.suite_args:
         raise UsageError("--suite-args only goes with --gpu-suite")
     if args.load and (args.filter or args.out):
@@ -69,10 +69,10 @@ def run_gpu_suite(suite_args: str) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise UsageError("--gpu-suite: no CUDA device is available (torch.cuda.is_available() is False); the suite "
-                         "checks and times the CUDA and Triton kernels. For a CPU dry run of its checks: "
-                         "python bench/gpu_suite.py --device cpu --skip-build")
-    cmd = [sys.executable, os.path.join(BENCH, "gpu_suite.py"), *shlex.split(suite_args)]
+        raise UsageError("--gpu-suite: no CUDA device is available (torch.cuda.is_available() is False); the run "
+                         "tests and times the CUDA and Triton kernels. For a CPU dry run of its flow: "
+                         "python bench/device_run.py --device cpu --quick")
+    cmd = [sys.executable, os.path.join(BENCH, "device_run.py"), *shlex.split(suite_args)]
     print("[glm5-lab bench] " + shlex.join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT).returncode
 

@@ -15,7 +15,10 @@ import pytest  # noqa: E402
 import glm5_ops  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = DEVICE.type == "cpu"
+CUDA = DEVICE.type == "cuda"
+# Whether Triton kernels run in its interpreter (no bf16 math there); on a CUDA
+# machine they compile, unless TRITON_INTERPRET=1 was set by hand.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_available() -> bool:
@@ -35,6 +38,26 @@ BACKENDS = ["cpp", "reference"] + (["triton"] if triton_available() else [])
 def backend(request):
     with glm5_ops.use_backend(request.param):
         yield request.param
+
+
+def float_dtypes(backend: str = "triton") -> list:
+    """The float dtypes a test runs on `backend`: fp32, fp16 and bf16, except
+    bf16 for Triton under the interpreter (it has no bf16 math). The default
+    is the strictest case, for files that test the Triton kernels directly."""
+    interpreted = backend == "triton" and INTERPRETED
+    return [torch.float32, torch.float16] + ([] if interpreted else [torch.bfloat16])
+
+
+def low_precision(backend: str = "triton") -> list:
+    return [d for d in float_dtypes(backend) if d != torch.float32]
+
+
+def pytest_report_header(config):
+    from glm5_ops._backend import _C
+    ext = "missing" if _C is None else ("with CUDA" if getattr(_C, "WITH_CUDA", 0) else "CPU only")
+    tri = "not installed" if not triton_available() else ("interpreted" if INTERPRETED else "compiled")
+    return (f"glm5: device {DEVICE} ({torch.cuda.get_device_name() if CUDA else 'no CUDA'}), torch "
+            f"{torch.__version__}, glm5_ops._C {ext}, backends {BACKENDS}, triton {tri}")
 
 
 def big_ok(backend: str) -> bool:
