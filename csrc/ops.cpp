@@ -31,6 +31,10 @@ TORCH_LIBRARY(glm5, m) {
         "Tensor out, Tensor lse, float scale, bool causal, Tensor? q_start) -> (Tensor, Tensor, Tensor)");
   m.def("block_sparse_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, "
         "Tensor kv_indices, int block_size, float scale, bool causal, Tensor? q_start) -> (Tensor, Tensor)");
+  // The CPU kernel's cost model (csrc/cpu/lane_costs.h) for head group `group` and `queries` per call:
+  // (lane tiles' rate relative to the gathered path, the fraction of its span a query block must select
+  // to run on lane tiles; > 1: never). glm5_ops/plan.py chooses a DSA chunk's form from it.
+  m.def("cpu_lane_costs(int group, int queries) -> (float, float)");
   m.def("block_sparse_attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor kv_num_blocks, "
         "Tensor kv_indices, Tensor out, Tensor lse, int block_size, float scale, bool causal, Tensor? q_start) "
         "-> (Tensor, Tensor, Tensor)");

@@ -37,6 +37,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def add_parser(subparsers):
     from models.glm5 import PRESETS
+    from models.glm5.attention_modes import ATTENTION_MODES, DEFAULT_ATTENTION
 
     p = subparsers.add_parser("profile", help="profile the network: trace, per-component report, plots",
                               description=__doc__.split("\n\n")[0])
@@ -46,7 +47,8 @@ def add_parser(subparsers):
     p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence (decode: the context length)")
     p.add_argument("--batch", type=positive_int, default=1)
     p.add_argument("--mode", choices=measure.MODES, default="prefill")
-    p.add_argument("--attn", choices=["dsa", "block_sparse", "dense"], default="dsa")
+    p.add_argument("--attn", choices=sorted(ATTENTION_MODES), default=DEFAULT_ATTENTION,
+                   help="attention mode (models/glm5/attention_modes.py)")
     p.add_argument("--steps", type=positive_int, default=3, help="measured steps")
     p.add_argument("--warmup", type=nonnegative_int, default=1, help="warm-up steps before measuring")
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/profile-<preset>-<mode>-<attn>-<time>)")
@@ -157,17 +159,21 @@ def _capture_attention(runner) -> OpCounter:
 
 
 def _sweep(args, build_model, vocab, device, out, model_name, log) -> dict:
-    """dsa (or the profiled sparse mode) against dense over args.sweep: times, peaks, crossovers, two plots."""
-    modes = ["dsa" if args.attn == "dense" else args.attn, "dense"]
-    log(f"sweep {modes[0]} vs dense over {args.sweep}")
+    """The profiled mode (dsa when that is the baseline) against the baseline
+    (dense) over args.sweep: times, peaks, crossovers, two plots."""
+    from models.glm5.attention_modes import ATTENTION_MODES, BASELINE_ATTENTION, DEFAULT_ATTENTION
+
+    baseline = BASELINE_ATTENTION
+    modes = [args.attn if ATTENTION_MODES[args.attn].selects_keys else DEFAULT_ATTENTION, baseline]
+    log(f"sweep {modes[0]} vs {baseline} over {args.sweep}")
     results = measure.sweep(build_model, modes, args.sweep, mode=args.mode, batch=args.batch, vocab=vocab,
                             device=device, warmup=args.warmup, steps=args.steps, log=log, seed=args.seed)
-    a, d = results[modes[0]], results["dense"]
+    a, d = results[modes[0]], results[baseline]
     t_sentence, t_cross = measure.crossover(args.sweep, [p["ms"] for p in d], [p["ms"] for p in a])
     m_sentence, m_cross = measure.crossover(args.sweep, [p["peak_bytes"] for p in d], [p["peak_bytes"] for p in a])
     sweep = dict(lengths=args.sweep, results=results, warmup=args.warmup, steps=args.steps,
-                 time_sentence=f"{modes[0]} against dense: {t_sentence}", time_crossover=t_cross,
-                 memory_sentence=f"{modes[0]} against dense: {m_sentence}", memory_crossover=m_cross)
+                 time_sentence=f"{modes[0]} against {baseline}: {t_sentence}", time_crossover=t_cross,
+                 memory_sentence=f"{modes[0]} against {baseline}: {m_sentence}", memory_crossover=m_cross)
     plots.sweep_lines(results, "ms", "ms per step", os.path.join(out, "sweep_time.png"),
                       f"{model_name} {args.mode}: step time", t_cross)
     plots.sweep_lines(results, "peak_bytes", "peak MiB", os.path.join(out, "sweep_memory.png"),
@@ -253,8 +259,9 @@ def run(args) -> int:
             model.record = False
         runner.zero_grad()
         maxvio, loads = _expert_load(model)
-        recall = "Dense attention attends to every visible key: nothing is selected, no recall to measure."
-        if args.attn != "dense":
+        recall = (f"{args.attn} attention attends to every visible key: nothing is selected, no recall to "
+                  "measure.")
+        if model.attention_mode.selects_keys:
             log("attention recall of layer 0's selection (one cache-free forward)")
             recall = _recall_text(_capture_attention(runner))
     finally:

@@ -59,11 +59,11 @@ def test_held_out_loss_switches_attention_and_restores_the_model():
     loss; the model's mode, index_topk and block size come back afterwards."""
     model, data = _trained_model()
     rows = data[:2 * (SEQ + 1)].long().view(2, SEQ + 1)
-    saved = model.attn, model.config.index_topk, model.block_size
+    saved = model.attention_mode, model.config.index_topk, model.block_size
     dense = held_out_loss(model, rows, "dense")
     assert abs(held_out_loss(model, rows, "dsa", 1.0) - dense) < 1e-5
     assert abs(held_out_loss(model, rows, "dsa", 0.125) - dense) > 1e-4
-    assert (model.attn, model.config.index_topk, model.block_size) == saved
+    assert (model.attention_mode, model.config.index_topk, model.block_size) == saved
 
 
 def test_sparse_training_reaches_attention_through_the_sparse_kernels():
@@ -73,12 +73,13 @@ def test_sparse_training_reaches_attention_through_the_sparse_kernels():
     model, data = _trained_model()
     indexer = {n: p.detach().clone() for n, p in model.named_parameters() if ".indexer." in n}
     sparse_train(model, data, steps=3, seq_len=SEQ, density=0.125)
-    assert model.attn == "dsa" and model.config.index_topk == 8
+    assert model.attn == "dense" and model.config.index_topk == 8     # the mode came back, the density stays
     for n, p in model.named_parameters():
         if n in indexer:
             assert torch.equal(p, indexer[n]), f"{n} trained in the sparse stage"
     x = data[None, :SEQ].long()
-    torch.nn.functional.cross_entropy(model(x)[0, :-1], x[0, 1:]).backward()
+    with model.attention("dsa"):
+        torch.nn.functional.cross_entropy(model(x)[0, :-1], x[0, 1:]).backward()
     for layer in model.model.layers:
         for proj in (layer.self_attn.q_a_proj, layer.self_attn.kv_a_proj_with_mqa):
             assert proj.weight.grad is not None and proj.weight.grad.abs().sum() > 0, layer.self_attn.layer_idx

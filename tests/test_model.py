@@ -94,8 +94,8 @@ def test_selection_matters_in_parity_configs(tmp_path):
     ids = _ids(config, 1, 3 * config.index_topk)
     with torch.no_grad():
         sparse = ours(ids)
-        ours.attn = "dense"
-        dense = ours(ids)
+        with ours.attention("dense"):
+            dense = ours(ids)
     _, worst = _agreement(sparse, dense)
     assert worst > 100 * PARITY_TOL
 
@@ -191,7 +191,7 @@ def test_bad_token_ids_and_lengths_raise():
         model(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=32"):
         generate(model, torch.zeros(1, 30, dtype=torch.long), 3)
-    with pytest.raises(ValueError, match="attn must be one of"):
+    with pytest.raises(ValueError, match="attention mode must be one of the registered modes"):
         GLM5ForCausalLM(_tiny(), attn="flash")
 
 
@@ -253,7 +253,7 @@ def test_dsa_prompt_within_index_topk_runs_dense_attention():
 
 def test_dsa_prefill_over_a_dense_selection_runs_the_expanded_form(tmp_path):
     """Where the indexer's choice still covers most visible keys (80 tokens at
-    top-48), DSA attends with per-head K/V (expanded_is_cheaper): the sparse
+    top-48), DSA attends with per-head K/V (glm5_ops.plan.dsa_expanded_is_cheaper): the sparse
     op sees one kv head per query head, and the logits match transformers'."""
     config = _tiny(index_topk=48)
     hf = _hf_model(config, seed=3)

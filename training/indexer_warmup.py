@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from models.glm5 import GLM5ForCausalLM
+from models.glm5.attention_modes import BASELINE_ATTENTION
 from models.glm5.config import preset
 from training.train import batch
 
@@ -40,7 +41,7 @@ def byte_glm5(seq_len: int, seed: int = 0) -> GLM5ForCausalLM:
         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
         n_group=1, topk_group=1, index_n_heads=4, index_head_dim=32, index_topk=seq_len,
         max_position_embeddings=max(seq_len, 4096))
-    return GLM5ForCausalLM(config, attn="dense")
+    return GLM5ForCausalLM(config, attn=BASELINE_ATTENTION)
 
 
 def _train(name: str, params, loss_of, data: torch.Tensor, *, steps: int, seq_len: int, batch_size: int,
@@ -70,8 +71,9 @@ def _train_lm(name: str, model: GLM5ForCausalLM, data: torch.Tensor, **kw) -> li
 def pretrain(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_len: int, batch_size: int = 4,
              lr: float = 3e-3, seed: int = 0) -> list[float]:
     """Next-byte LM training with dense attention; returns the losses."""
-    model.attn = "dense"
-    return _train_lm("pretrain", model, data, steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed)
+    with model.attention(BASELINE_ATTENTION):
+        return _train_lm("pretrain", model, data, steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr,
+                         seed=seed)
 
 
 def sparse_train(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_len: int, density: float,
@@ -80,11 +82,12 @@ def sparse_train(model: GLM5ForCausalLM, data: torch.Tensor, *, steps: int, seq_
     attention, each query attending to the index_topk = density x seq_len keys
     its indexer chooses (gradients through the sparse_attention kernels), with
     the indexer frozen (DeepSeek-V3.2 keeps training it by KL over the chosen
-    keys). Leaves the model in dsa mode at that index_topk."""
-    model.attn = "dsa"
+    keys). Leaves the model's index_topk at that density (its attention mode
+    comes back: run it `with model.attention("dsa")`)."""
     model.config.index_topk = max(1, round(density * seq_len))
-    return _train_lm("sparse training (dsa)", model, data, steps=steps, seq_len=seq_len, batch_size=batch_size,
-                     lr=lr, seed=seed)
+    with model.attention("dsa"):
+        return _train_lm("sparse training (dsa)", model, data, steps=steps, seq_len=seq_len,
+                         batch_size=batch_size, lr=lr, seed=seed)
 
 
 @torch.no_grad()
@@ -97,10 +100,10 @@ def attention_inputs(model: GLM5ForCausalLM, ids: torch.Tensor) -> list[tuple]:
         x, ctx, _ = args
         captured.append((module, x, ctx.cos, ctx.sin))
 
-    model.attn = "dense"
     handles = [layer.self_attn.register_forward_hook(hook) for layer in model.model.layers]
     try:
-        model.eval()(ids)
+        with model.attention(BASELINE_ATTENTION):
+            model.eval()(ids)
     finally:
         for h in handles:
             h.remove()
@@ -113,15 +116,15 @@ def held_out_loss(model: GLM5ForCausalLM, rows: torch.Tensor, attn: str, density
     `attn`; for "dsa" and "block_sparse", to `density` of the S keys (index_topk;
     block_sparse in 16-token blocks: sink + local + chosen ~ index_topk keys)."""
     S = rows.shape[1] - 1
-    saved = model.attn, model.config.index_topk, model.block_size
-    model.attn = attn
+    saved = model.config.index_topk, model.block_size
     if density is not None:
         model.config.index_topk, model.block_size = max(1, round(density * S)), 16
     try:
-        logits = model.eval()(rows[:, :-1])
+        with model.attention(attn):
+            logits = model.eval()(rows[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
     finally:
-        model.attn, model.config.index_topk, model.block_size = saved
+        model.config.index_topk, model.block_size = saved
 
 
 def head_qkv(attn, x, cos, sin):

@@ -23,12 +23,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "checks.h"
 #include "cpu/attention_common.h"
 #include "cpu/attention_tiles.h"
+#include "cpu/lane_costs.h"
 #include "cpu/lane_tiles.h"
 #include "cpu/parallel.h"
 
@@ -239,24 +237,13 @@ void softmax_grad_tile(Scratch& sc, int64_t nt, const float* lse, const float* d
 // lanes over every key of the span, with a bitmask per key of the queries
 // that chose it (lanes::mask_lanes). That reads each key row once per block
 // and head instead of once per query, so it wins where the gathered path is
-// bound by fetching rows (few heads per kv head, G). The measured rates of
-// the gathered path relative to lane tiles on this 2-core Xeon (Dk = 96,
-// Dv = 64, T = 4K): 0.16 at G = 1, 0.3 at 2, 0.5 at 4, 0.58 at 8, 0.9 at 16;
-// a block goes to lane tiles when the fraction of its span's (query, key)
-// pairs it selected is above that (lane_min_density). GLM5_SPARSE_LANE_BLOCKS=always / never
-// forces the choice (tests cover both paths on every shape).
+// bound by fetching rows (few heads per kv head, G). A block goes to lane
+// tiles when the fraction of its span's (query, key) pairs it selected is
+// above the gathered path's measured rate relative to lane tiles for its G:
+// lane_costs::lane_min_density (lane_costs.h, also read by the model's plan).
 constexpr int64_t kLaneQueries = 64;  // queries per lane block: one uint64_t of lanes per key
 
-// The fraction of a block's span it must select to run on lane tiles (> 1: never).
-double lane_min_density(const AttentionInputs& in) {
-  const char* env = std::getenv("GLM5_SPARSE_LANE_BLOCKS");
-  const std::string mode = env ? env : "auto";
-  TORCH_CHECK(mode == "auto" || mode == "always" || mode == "never",
-              "GLM5_SPARSE_LANE_BLOCKS must be auto, always or never, got '", mode, "'");
-  if (mode == "always") return 0.0;
-  if (mode == "never" || in.S == 1) return 2.0;
-  return in.G >= 16 ? 0.9 : in.G >= 8 ? 0.58 : in.G >= 4 ? 0.5 : in.G >= 2 ? 0.3 : 0.16;
-}
+double lane_min_density(const AttentionInputs& in) { return lane_costs::lane_min_density(in.G, in.S); }
 
 // A query block that runs on lane tiles: queries s0 .. s0 + M of batch b,
 // the span [lo, hi] of keys they chose, and bit r of bits[t - lo] set when
@@ -504,6 +491,15 @@ TORCH_LIBRARY_IMPL(glm5, CPU, m) {
   m.impl("sparse_attention_fwd", &sparse_attention_fwd_cpu);
   m.impl("sparse_attention_bwd", &sparse_attention_bwd_cpu);
 }
+
+// No tensor argument to dispatch on: one kernel for every backend (a fact of the CPU kernel, asked from anywhere).
+std::tuple<double, double> cpu_lane_costs(int64_t group, int64_t queries) {
+  TORCH_CHECK(group >= 1, "cpu_lane_costs: group must be >= 1 (query heads per kv head), got ", group);
+  TORCH_CHECK(queries >= 1, "cpu_lane_costs: queries must be >= 1, got ", queries);
+  return {lane_costs::kLaneRate, lane_costs::lane_min_density(group, queries)};
+}
+
+TORCH_LIBRARY_IMPL(glm5, CompositeExplicitAutograd, m) { m.impl("cpu_lane_costs", &cpu_lane_costs); }
 
 }  // namespace cpu
 }  // namespace glm5

@@ -4,5 +4,7 @@ from .config import GLM5Config, PRESETS, preset
 __all__ = ["GLM5Config", "PRESETS", "preset"]
 from .model import GLM5ForCausalLM, count_parameters  # noqa: E402
 from .cache import PagedCache  # noqa: E402
+from .attention_modes import ATTENTION_MODES, AttentionMode, register_attention_mode  # noqa: E402
 
-__all__ += ["GLM5ForCausalLM", "count_parameters", "PagedCache"]
+__all__ += ["GLM5ForCausalLM", "count_parameters", "PagedCache", "ATTENTION_MODES", "AttentionMode",
+            "register_attention_mode"]
