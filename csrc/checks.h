@@ -81,6 +81,8 @@ inline void check_attention_qkv(const at::Tensor& q, const at::Tensor& k, const 
               k.sizes());
   TORCH_CHECK(v.size(0) == B && v.size(1) == T && v.size(2) == Hkv, "v must have shape [B,T,Hkv,Dv] = [", B, ",", T,
               ",", Hkv, ",Dv], got ", v.sizes());
+  // A zero head dim would size the key blocking's chunks at zero rows (the backward never ended).
+  TORCH_CHECK(Dk >= 1 && v.size(3) >= 1, "q and v must have head dims Dk, Dv >= 1, got Dk=", Dk, ", Dv=", v.size(3));
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "the kv heads of k (Hkv=", Hkv, ") must divide the query heads of q (Hq=",
               Hq, ")");
   TORCH_CHECK(T < (int64_t(1) << 31), "k: T must be < 2^31 for int32 indices, got ", T);

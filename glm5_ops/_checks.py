@@ -29,6 +29,13 @@ def dim(t: torch.Tensor, name: str, shape: str, axis: int, expected: int, what: 
         raise ValueError(f"{name} must have shape {shape} with {what}={expected}, got shape {tuple(t.shape)}")
 
 
+def nonempty(t: torch.Tensor, name: str, shape: str, axis: int, what: str) -> None:
+    """The axes the ops cannot run empty (heads, head dims, keys, experts): >= 1
+    (docs/OPS.md, "Degenerate shapes"); batch, query and token axes may be 0."""
+    if t.shape[axis] < 1:
+        raise ValueError(f"{name} must have shape {shape} with {what} >= 1, got shape {tuple(t.shape)}")
+
+
 def same_device(**tensors) -> torch.device:
     devices = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
     if len(set(devices.values())) > 1:

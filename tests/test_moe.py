@@ -8,7 +8,7 @@ import torch
 import glm5_ops
 from conftest import DEVICE, INTERPRETED, fresh
 from glm5_ops import moe, reference
-from glm5_ops.reference import MoEPlan
+from glm5_ops import MoEPlan
 
 ops = torch.ops.glm5
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
