@@ -38,10 +38,12 @@ def nonempty(t: torch.Tensor, name: str, shape: str, axis: int, what: str) -> No
 
 def same_device(**tensors) -> torch.device:
     devices = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise ValueError(f"all tensors must be on one device, got {listed}")
-    return next(iter(devices.values()))
+    (first, device), *rest = devices.items()
+    for name, d in rest:
+        if d != device:
+            listed = ", ".join(f"{n} on {dv}" for n, dv in devices.items())
+            raise ValueError(f"{name} must be on {device} like {first} (all tensors on one device), got {listed}")
+    return device
 
 
 def int_in_range(value, name: str, lo: int, hi: int) -> int:

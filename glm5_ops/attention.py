@@ -138,8 +138,8 @@ def _check_block_mask(mask: BlockMask, B: int, S: int, Hq: int, T: int, device) 
     check.tensor(num, "kv_num_blocks", f"[B,Hq,Qb]=[{B},{Hq},{Qb}]", rank=3, dtypes=check.INDEX_DTYPES)
     check.tensor(idx, "kv_indices", f"[B,Hq,Qb,maxKV]=[{B},{Hq},{Qb},maxKV]", rank=4, dtypes=check.INDEX_DTYPES)
     if num.shape[0] not in (1, B) or num.shape[1] not in (1, Hq) or num.shape[2] != Qb:
-        raise ValueError(f"block mask is for another shape: kv_num_blocks must be [B,Hq,Qb]=[{B}|1,{Hq}|1,{Qb}] "
-                         f"(S={S}, block_size={bs}), got shape {tuple(num.shape)}")
+        raise ValueError(f"kv_num_blocks must have shape [B,Hq,Qb]=[{B}|1,{Hq}|1,{Qb}] to match q (S={S}, "
+                         f"block_size={bs}): the block mask is for another shape, got shape {tuple(num.shape)}")
     if tuple(idx.shape[:3]) != tuple(num.shape):
         raise ValueError(f"kv_indices must be [*kv_num_blocks.shape, maxKV]=[{', '.join(map(str, num.shape))}, "
                          f"maxKV], got shape {tuple(idx.shape)}")
@@ -148,7 +148,7 @@ def _check_block_mask(mask: BlockMask, B: int, S: int, Hq: int, T: int, device) 
     if device.type != "meta" and num.numel():
         W = idx.shape[3]
         if int(num.min()) < 0 or int(num.max()) > min(W, Kb):
-            raise ValueError(f"kv_num_blocks entries must be in [0, min(maxKV={W}, Kb={Kb})], got values in "
+            raise ValueError(f"kv_num_blocks must hold counts in [0, min(maxKV={W}, Kb={Kb})], got values in "
                              f"[{int(num.min())}, {int(num.max())}]")
         used = torch.arange(W, device=device) < num[..., None]
         used_idx = idx[used]

@@ -161,7 +161,7 @@ def _dense_masked_attention(q, k, v, scale, allowed_rows):
     kf, vf = k.to(acc), v.to(acc)
     outs, lses = [], []
     step = _chunk_rows(S, B * Hq * T)
-    for s0 in range(0, S, step):
+    for s0 in range(0, max(S, 1), step):        # S = 0: one empty chunk, so autograd sees the inputs
         s1 = min(S, s0 + step)
         scores = torch.einsum("bshgd,bthd->bshgt", qf[:, s0:s1], kf) * scale
         valid = _mask_rows_to_gqa(allowed_rows(s0, s1), B, s1 - s0, Hq, Hkv, T)
@@ -169,8 +169,6 @@ def _dense_masked_attention(q, k, v, scale, allowed_rows):
         o = torch.einsum("bshgt,bthd->bshgd", p, vf)
         outs.append(o.reshape(B, s1 - s0, Hq, Dv))
         lses.append(lse.reshape(B, s1 - s0, Hq))
-    if not outs:
-        return q.new_zeros(B, 0, Hq, Dv), torch.zeros(B, 0, Hq, dtype=acc, device=q.device)
     return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 1)
 
 
@@ -239,7 +237,7 @@ def sparse_attention(q, k, v, indices, *, scale, causal=False, q_start=None):
     b = torch.arange(B, device=q.device)[:, None, None]
     outs, lses = [], []
     step = _chunk_rows(S, B * topk * (Hkv * (Dk + Dv) + 2 * Hq))
-    for s0 in range(0, S, step):
+    for s0 in range(0, max(S, 1), step):        # S = 0: one empty chunk, so autograd sees the inputs
         s1 = min(S, s0 + step)
         kg = kf[b, safe[:, s0:s1]]             # [B, sc, topk, Hkv, Dk]
         vg = vf[b, safe[:, s0:s1]]             # [B, sc, topk, Hkv, Dv]
@@ -249,8 +247,6 @@ def sparse_attention(q, k, v, indices, *, scale, causal=False, q_start=None):
         o = torch.einsum("bshgt,bsthd->bshgd", p, vg)
         outs.append(o.reshape(B, s1 - s0, Hq, Dv))
         lses.append(lse.reshape(B, s1 - s0, Hq))
-    if not outs:
-        return q.new_zeros(B, 0, Hq, Dv), torch.zeros(B, 0, Hq, dtype=acc, device=q.device)
     return torch.cat(outs, 1).to(q.dtype), torch.cat(lses, 1)
 
 
@@ -540,7 +536,7 @@ def fused_moe(x, w_gate_up, w_down, weights, ids):
     acc = _acc_dtype(x, w_gate_up, w_down, weights)
     out = torch.zeros(T, D, dtype=acc, device=x.device)
     ids_l = ids.long()
-    for e in torch.unique(ids_l).tolist():
+    for e in torch.unique(ids_l).tolist() or [0]:   # no (token, slot): expert 0 on no rows keeps the graph
         token_idx, slot = torch.where(ids_l == e)
         y = swiglu_expert(x[token_idx], w_gate_up[e], w_down[e])
         y = y * weights[token_idx, slot, None].to(acc)
