@@ -84,8 +84,8 @@ inline void check_attention_qkv(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(v.size(0) == B && v.size(1) == T && v.size(2) == Hkv, "v must have shape [B,T,Hkv,Dv] = [", B, ",", T,
               ",", Hkv, ",Dv], got ", v.sizes());
   // A zero head dim would size the key blocking's chunks at zero rows (the backward never ended).
-  TORCH_CHECK(Hq >= 1 && Dk >= 1 && v.size(3) >= 1, "q and v must have Hq >= 1 heads and head dims Dk, Dv >= 1, got Hq=",
-              Hq, ", Dk=", Dk, ", Dv=", v.size(3));
+  TORCH_CHECK(Hq >= 1 && Dk >= 1 && v.size(3) >= 1,
+              "q and v must have Hq >= 1 heads and head dims Dk, Dv >= 1, got Hq=", Hq, ", Dk=", Dk, ", Dv=", v.size(3));
   TORCH_CHECK(T >= 1, "k must hold at least one key (T >= 1), got shape ", k.sizes());
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "the kv heads of k (Hkv=", Hkv, ") must divide the query heads of q (Hq=",
               Hq, ")");

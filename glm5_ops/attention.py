@@ -15,9 +15,9 @@ Layouts (row-major):
            row (b,h,i) selects key blocks kv_indices[b,h,i,:kv_num_blocks[b,h,i]].
 
 Semantics: glm5_ops/reference.py (sparse_attention, block_topk_mask,
-block_sparse_attention); argument contract and degenerate shapes: docs/OPS.md. Both attentions are differentiable in q, k and v
-(lse is returned for inspection and is not differentiable). Backends:
-glm5_ops/_backend.py.
+block_sparse_attention); argument contract and degenerate shapes: docs/OPS.md.
+Both attentions are differentiable in q, k and v (lse is returned for
+inspection and is not differentiable). Backends: glm5_ops/_backend.py.
 """
 from __future__ import annotations
 

@@ -125,8 +125,8 @@ def moe_dispatch(x, ids, num_experts: int, *, align: int = 1):
     device = check.same_device(x=x, ids=ids)
     _ids_in_range(ids, num_experts, "ids", "expert ids")
     if T * ids.shape[1] + num_experts * (align - 1) > _INT32_MAX:
-        raise ValueError(f"ids, num_experts and align must give T*k + num_experts*(align-1) sorted rows that fit int32, got "
-                         f"T={T}, k={ids.shape[1]}, num_experts={num_experts}, align={align}")
+        raise ValueError(f"ids, num_experts and align must give T*k + num_experts*(align-1) sorted rows that fit "
+                         f"int32, got T={T}, k={ids.shape[1]}, num_experts={num_experts}, align={align}")
     x, ids = x.contiguous(), ids.to(torch.int32).contiguous()
 
     def cpp():

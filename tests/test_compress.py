@@ -128,7 +128,8 @@ def test_opcheck():
 @pytest.mark.parametrize("call,exc,match", [
     (lambda x: quantize_groupwise(x, 3), ValueError, r"bits must be one of \(8, 4, 2\), got 3"),
     (lambda x: quantize_groupwise(x, 16), ValueError, r"bits must be one of"),
-    (lambda x: quantize_groupwise(x, 8, 100), ValueError, r"group_size must divide the last dimension of x \(shape \(4, 256\)\), got 100"),
+    (lambda x: quantize_groupwise(x, 8, 100), ValueError,
+     r"group_size must divide the last dimension of x \(shape \(4, 256\)\), got 100"),
     (lambda x: quantize_groupwise(x, 2, 30), ValueError, r"group_size must be .* multiple of 4"),
     (lambda x: quantize_groupwise(x, 8, 0), ValueError, r"group_size must be a positive int"),
     (lambda x: quantize_groupwise(x.int(), 8), TypeError, r"x must have dtype in"),

@@ -140,7 +140,8 @@ def test_empty_backward(backend, poisoned, fn, case, make):
 
 def _attn(S=4, T=10, Hq=4, Hkv=2, Dk=8, Dv=8):
     q, k, v = fresh(1, S, Hq, Dk), fresh(1, T, Hkv, Dk), fresh(1, T, Hkv, Dv)
-    return q, k, v, ids(S, 2, E=max(T, 1)).view(1, S, 2) if T else -torch.ones(1, S, 2, dtype=torch.int32, device=DEVICE)
+    idx = ids(S, 2, E=T).view(1, S, 2) if T else torch.full((1, S, 2), -1, dtype=torch.int32, device=DEVICE)
+    return q, k, v, idx
 
 
 def _sparse(**kw):
