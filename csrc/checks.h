@@ -1,6 +1,8 @@
-// Argument checks shared by the CPU and CUDA kernels. The Python API checks
-// first and names the argument; these guard direct torch.ops.glm5 calls with
-// the same messages, so every backend rejects the same inputs the same way.
+// Memory guards shared by the CPU and CUDA kernels. The op contract is checked
+// once, by the Python wrappers (docs/OPS.md), which name the argument; these
+// compact checks only keep a direct torch.ops.glm5 call from reading or
+// writing out of bounds (ranks, shapes, dtypes and devices the kernels index
+// with, int32 ranges) or dividing by a zero-size axis, and raise instead.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,7 +39,7 @@ inline void check_indexer_args(const at::Tensor& q, const at::Tensor& w, const a
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k must have the dtype of q (", q.scalar_type(), "), got ",
               k.scalar_type());
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3);
-  TORCH_CHECK(H >= 1, "q must have at least one head (H >= 1), got shape ", q.sizes());
+  TORCH_CHECK(H >= 1 && D >= 1, "q must have at least one head (H >= 1) of dim D >= 1, got shape ", q.sizes());
   TORCH_CHECK(w.size(0) == B && w.size(1) == S && w.size(2) == H, "w must have shape [B,S,H] = [", B, ",", S, ",", H,
               "], got ", w.sizes());
   TORCH_CHECK(k.size(0) == B && k.size(2) == D, "k must have shape [B,T,D] = [", B, ",T,", D, "], got ", k.sizes());
@@ -81,6 +83,10 @@ inline void check_attention_qkv(const at::Tensor& q, const at::Tensor& k, const 
               k.sizes());
   TORCH_CHECK(v.size(0) == B && v.size(1) == T && v.size(2) == Hkv, "v must have shape [B,T,Hkv,Dv] = [", B, ",", T,
               ",", Hkv, ",Dv], got ", v.sizes());
+  // A zero head dim would size the key blocking's chunks at zero rows (the backward never ended).
+  TORCH_CHECK(Hq >= 1 && Dk >= 1 && v.size(3) >= 1,
+              "q and v must have Hq >= 1 heads and head dims Dk, Dv >= 1, got Hq=", Hq, ", Dk=", Dk, ", Dv=", v.size(3));
+  TORCH_CHECK(T >= 1, "k must hold at least one key (T >= 1), got shape ", k.sizes());
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "the kv heads of k (Hkv=", Hkv, ") must divide the query heads of q (Hq=",
               Hq, ")");
   TORCH_CHECK(T < (int64_t(1) << 31), "k: T must be < 2^31 for int32 indices, got ", T);
@@ -147,6 +153,9 @@ inline void check_block_topk_args(const at::Tensor& q, const at::Tensor& k, int6
               k.scalar_type());
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3), "k must have shape [B,T,Hkv,D] = [", q.size(0),
               ",T,Hkv,", q.size(3), "], got ", k.sizes());
+  TORCH_CHECK(q.size(2) >= 1 && q.size(3) >= 1 && k.size(1) >= 1,
+              "q must have H >= 1 heads of dim D >= 1 and k at least one key (T >= 1), got q ", q.sizes(), ", k ",
+              k.sizes());
   TORCH_CHECK(k.size(2) >= 1 && q.size(2) % k.size(2) == 0, "the kv heads of k (Hkv=", k.size(2),
               ") must divide the query heads of q (H=", q.size(2), ")");
   TORCH_CHECK(k.device() == q.device(), "q and k must be on one device, got ", q.device(), " and ", k.device());

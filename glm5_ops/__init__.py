@@ -4,20 +4,23 @@
     idx = glm5_ops.indexer_topk(q, w, k, topk=2048)          # DSA selection
     with glm5_ops.use_backend("triton"): ...                  # or "cpp", "reference"
 
-Layouts and semantics: each family's module docstring and glm5_ops/reference.py.
+Layouts and semantics: each family's module docstring and glm5_ops/reference.py;
+the argument contract and degenerate shapes: docs/OPS.md.
 """
 from . import _fake  # noqa: F401  (shapes for torch.compile / opcheck)
 from . import reference
 from ._backend import BACKENDS, current_backend, use_backend
 from . import moe  # noqa: F401  (register_fake + register_autograd of the MoE ops)
-from .attention import BlockMask, attention_recall, block_sparse_attention, block_topk_mask, sparse_attention
+from .attention import BlockMask, block_sparse_attention, block_topk_mask, sparse_attention
 from .compress import SavedTensorMeter, compressed_activations, dequantize, quantize_groupwise
 from .indexer import indexer_scores, indexer_topk, topk_indices
 from .moe import fused_moe, moe_combine, moe_dispatch, moe_route
-from .reference import MoEPlan
+from .moe_plan import MoEPlan
+from .recall import AttentionRecall, attention_recall
 
 __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "indexer_scores", "topk_indices", "indexer_topk",
-           "sparse_attention", "block_topk_mask", "block_sparse_attention", "BlockMask", "attention_recall",
+           "sparse_attention", "block_topk_mask", "block_sparse_attention", "BlockMask",
+           "attention_recall", "AttentionRecall",
            "moe_route", "moe_dispatch", "moe_combine", "fused_moe", "MoEPlan",
            "quantize_groupwise", "dequantize", "compressed_activations", "SavedTensorMeter"]

@@ -29,12 +29,21 @@ def dim(t: torch.Tensor, name: str, shape: str, axis: int, expected: int, what: 
         raise ValueError(f"{name} must have shape {shape} with {what}={expected}, got shape {tuple(t.shape)}")
 
 
+def nonempty(t: torch.Tensor, name: str, shape: str, axis: int, what: str) -> None:
+    """The axes the ops cannot run empty (heads, head dims, keys, experts): >= 1
+    (docs/OPS.md, "Degenerate shapes"); batch, query and token axes may be 0."""
+    if t.shape[axis] < 1:
+        raise ValueError(f"{name} must have shape {shape} with {what} >= 1, got shape {tuple(t.shape)}")
+
+
 def same_device(**tensors) -> torch.device:
     devices = {n: t.device for n, t in tensors.items() if isinstance(t, torch.Tensor)}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{n} on {d}" for n, d in devices.items())
-        raise ValueError(f"all tensors must be on one device, got {listed}")
-    return next(iter(devices.values()))
+    (first, device), *rest = devices.items()
+    for name, d in rest:
+        if d != device:
+            listed = ", ".join(f"{n} on {dv}" for n, dv in devices.items())
+            raise ValueError(f"{name} must be on {device} like {first} (all tensors on one device), got {listed}")
+    return device
 
 
 def int_in_range(value, name: str, lo: int, hi: int) -> int:

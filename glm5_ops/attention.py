@@ -15,9 +15,9 @@ Layouts (row-major):
            row (b,h,i) selects key blocks kv_indices[b,h,i,:kv_num_blocks[b,h,i]].
 
 Semantics: glm5_ops/reference.py (sparse_attention, block_topk_mask,
-block_sparse_attention). Both attentions are differentiable in q, k and v
-(lse is returned for inspection and is not differentiable). Backends:
-glm5_ops/_backend.py.
+block_sparse_attention); argument contract and degenerate shapes: docs/OPS.md.
+Both attentions are differentiable in q, k and v (lse is returned for
+inspection and is not differentiable). Backends: glm5_ops/_backend.py.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import torch
 
 from . import _checks as check
 from . import reference
+from .flex import from_flex_block_mask, to_flex_block_mask
 from ._backend import _C, cpp_ops, current_backend, dispatch, triton_module
 
 
@@ -39,7 +40,7 @@ class BlockMask(NamedTuple):
 
     def to_flex(self, S: int, T: int, *, causal: bool = True, q_start=None):
         """The same mask as a torch FlexAttention BlockMask (mask_mod included)."""
-        return reference.to_flex_block_mask(self.kv_num_blocks, self.kv_indices, self.block_size, S, T,
+        return to_flex_block_mask(self.kv_num_blocks, self.kv_indices, self.block_size, S, T,
                                             causal=causal, q_start=q_start)
 
     @classmethod
@@ -61,22 +62,34 @@ class BlockMask(NamedTuple):
 
 # ------------------------------------------------------------ arguments --
 
-def _check_qkv(q, k, v):
-    check.tensor(q, "q", "[B,S,Hq,Dk]", rank=4)
+def _check_q_k(q, k, q_name: str = "Hq") -> None:
+    """q [B,S,Hq,Dk] and k [B,T,Hkv,Dk]: ranks, dtypes, and the axes that must not be empty."""
+    check.tensor(q, "q", f"[B,S,{q_name},Dk]", rank=4)
     B, S, Hq, Dk = q.shape
-    check.tensor(k, "k", f"[B,T,Hkv,Dk]=[{B},T,Hkv,{Dk}]", rank=4)
-    check.tensor(v, "v", f"[B,T,Hkv,Dv]=[{B},T,Hkv,Dv]", rank=4)
+    check.nonempty(q, "q", f"[B,S,{q_name},Dk]", 2, q_name)
+    check.nonempty(q, "q", f"[B,S,{q_name},Dk]", 3, "Dk")
+    k_shape = f"[B,T,Hkv,Dk]=[{B},T,Hkv,{Dk}]"
+    check.tensor(k, "k", k_shape, rank=4)
     if k.shape[0] != B or k.shape[3] != Dk:
-        raise ValueError(f"k must have shape [B,T,Hkv,Dk]=[{B},T,Hkv,{Dk}] to match q, got shape {tuple(k.shape)}")
-    T, Hkv = k.shape[1], k.shape[2]
-    if tuple(v.shape[:3]) != (B, T, Hkv):
-        raise ValueError(f"v must have shape [B,T,Hkv,Dv]=[{B},{T},{Hkv},Dv] to match k, got shape {tuple(v.shape)}")
+        raise ValueError(f"k must have shape {k_shape} to match q, got shape {tuple(k.shape)}")
+    check.nonempty(k, "k", k_shape, 1, "T")
+    Hkv = k.shape[2]
     if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"the kv heads of k (Hkv={Hkv}) must divide the query heads of q (Hq={Hq})")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"k and v must have the dtype of q ({q.dtype}), got {k.dtype} and {v.dtype}")
-    if T < 1:
-        raise ValueError("k must hold at least one key (T >= 1)")
+        raise ValueError(f"k must have a kv head count Hkv that divides q's {q_name}={Hq}, got shape {tuple(k.shape)}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have the dtype of q ({check.dtype_name(q.dtype)}), got {check.dtype_name(k.dtype)}")
+
+
+def _check_qkv(q, k, v):
+    _check_q_k(q, k)
+    B, T, Hkv = k.shape[0], k.shape[1], k.shape[2]
+    v_shape = f"[B,T,Hkv,Dv]=[{B},{T},{Hkv},Dv]"
+    check.tensor(v, "v", v_shape, rank=4)
+    if tuple(v.shape[:3]) != (B, T, Hkv):
+        raise ValueError(f"v must have shape {v_shape} to match k, got shape {tuple(v.shape)}")
+    check.nonempty(v, "v", v_shape, 3, "Dv")
+    if v.dtype != q.dtype:
+        raise TypeError(f"v must have the dtype of q ({check.dtype_name(q.dtype)}), got {check.dtype_name(v.dtype)}")
     device = check.same_device(q=q, k=k, v=v)
     # k and v keep their strides (v may view k); only the head dim must be dense.
     k = k if k.stride(3) == 1 else k.contiguous()
@@ -92,16 +105,16 @@ def _scale(scale, Dk: int) -> float:
     return float(scale)
 
 
-def _check_indices(indices, B: int, S: int, T: int, device) -> torch.Tensor:
-    check.tensor(indices, "indices", f"[B,S,topk]=[{B},{S},topk]", rank=3, dtypes=check.INDEX_DTYPES)
+def _check_indices(indices, B: int, S: int, T: int, device, name: str = "indices") -> torch.Tensor:
+    check.tensor(indices, name, f"[B,S,topk]=[{B},{S},topk]", rank=3, dtypes=check.INDEX_DTYPES)
     if tuple(indices.shape[:2]) != (B, S):
-        raise ValueError(f"indices must have shape [B,S,topk]=[{B},{S},topk], got shape {tuple(indices.shape)}")
+        raise ValueError(f"{name} must have shape [B,S,topk]=[{B},{S},topk], got shape {tuple(indices.shape)}")
     if indices.device != device:
-        raise ValueError(f"indices must be on {device} like q, got {indices.device}")
+        raise ValueError(f"{name} must be on {device} like q, got {indices.device}")
     if indices.numel() and indices.device.type != "meta":
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= T:
-            raise ValueError(f"indices entries must be -1 or key positions in [0, T={T}), got values in [{lo}, {hi}]")
+            raise ValueError(f"{name} must hold -1 or key positions in [0, T={T}), got values in [{lo}, {hi}]")
     return indices.to(torch.int32).contiguous()
 
 
@@ -109,7 +122,7 @@ def _as_block_mask(block_mask) -> BlockMask:
     if isinstance(block_mask, BlockMask):
         return block_mask
     if type(block_mask).__name__ == "BlockMask" and hasattr(block_mask, "kv_num_blocks"):
-        return BlockMask(*reference.from_flex_block_mask(block_mask))   # torch FlexAttention's
+        return BlockMask(*from_flex_block_mask(block_mask))   # torch FlexAttention's
     if isinstance(block_mask, tuple) and len(block_mask) == 3:
         return BlockMask(*block_mask)
     raise TypeError("block_mask must be a glm5_ops.BlockMask (kv_num_blocks, kv_indices, block_size) or a torch "
@@ -125,25 +138,29 @@ def _check_block_mask(mask: BlockMask, B: int, S: int, Hq: int, T: int, device) 
     check.tensor(num, "kv_num_blocks", f"[B,Hq,Qb]=[{B},{Hq},{Qb}]", rank=3, dtypes=check.INDEX_DTYPES)
     check.tensor(idx, "kv_indices", f"[B,Hq,Qb,maxKV]=[{B},{Hq},{Qb},maxKV]", rank=4, dtypes=check.INDEX_DTYPES)
     if num.shape[0] not in (1, B) or num.shape[1] not in (1, Hq) or num.shape[2] != Qb:
-        raise ValueError(f"block mask is for another shape: kv_num_blocks must be [B,Hq,Qb]=[{B}|1,{Hq}|1,{Qb}] "
-                         f"(S={S}, block_size={bs}), got shape {tuple(num.shape)}")
+        raise ValueError(f"kv_num_blocks must have shape [B,Hq,Qb]=[{B}|1,{Hq}|1,{Qb}] to match q (S={S}, "
+                         f"block_size={bs}): the block mask is for another shape, got shape {tuple(num.shape)}")
     if tuple(idx.shape[:3]) != tuple(num.shape):
         raise ValueError(f"kv_indices must be [*kv_num_blocks.shape, maxKV]=[{', '.join(map(str, num.shape))}, "
                          f"maxKV], got shape {tuple(idx.shape)}")
     if num.device != device or idx.device != device:
-        raise ValueError(f"the block mask must be on {device} like q, got {num.device} and {idx.device}")
+        raise ValueError(f"block_mask must be on {device} like q, got {num.device} and {idx.device}")
     if device.type != "meta" and num.numel():
         W = idx.shape[3]
         if int(num.min()) < 0 or int(num.max()) > min(W, Kb):
-            raise ValueError(f"kv_num_blocks entries must be in [0, min(maxKV={W}, Kb={Kb})], got values in "
+            raise ValueError(f"kv_num_blocks must hold counts in [0, min(maxKV={W}, Kb={Kb})], got values in "
                              f"[{int(num.min())}, {int(num.max())}]")
         used = torch.arange(W, device=device) < num[..., None]
-        if bool((used & ((idx < 0) | (idx >= Kb))).any()):
-            raise ValueError(f"kv_indices: the first kv_num_blocks entries of each row must be key block "
-                             f"indices in [0, Kb={Kb}) (T={T}, block_size={bs})")
+        used_idx = idx[used]
+        if used_idx.numel() and (int(used_idx.min()) < 0 or int(used_idx.max()) >= Kb):
+            raise ValueError(f"kv_indices must hold key block indices in [0, Kb={Kb}) (T={T}, block_size={bs}) in "
+                             f"the first kv_num_blocks entries of each row, got values in "
+                             f"[{int(used_idx.min())}, {int(used_idx.max())}]")
         keyed = torch.where(used, idx.long(), torch.full_like(idx, Kb, dtype=torch.long)).sort(-1).values
-        if bool(((keyed[..., 1:] == keyed[..., :-1]) & (keyed[..., 1:] < Kb)).any()):
-            raise ValueError("kv_indices: a row lists the same key block twice")
+        dup = (keyed[..., 1:] == keyed[..., :-1]) & (keyed[..., 1:] < Kb)
+        if bool(dup.any()):
+            row = tuple(int(i) for i in dup.nonzero()[0][:-1])
+            raise ValueError(f"kv_indices must list each key block at most once per row, got a repeat in row {row}")
     num = num.to(torch.int32).expand(B, Hq, Qb).contiguous()
     idx = idx.to(torch.int32).expand(B, Hq, Qb, idx.shape[3]).contiguous()
     return BlockMask(num, idx, bs)
@@ -179,15 +196,8 @@ def block_topk_mask(q, k, *, block_size: int, topk_blocks: int, causal: bool = T
     q·k by default; pooling="minmax" is Quest's upper bound). q [B,S,H,D],
     k [B,T,Hkv,D]. Returns a BlockMask of width min(Kb, sink+local+topk_blocks),
     blocks ascending then 0 padding (reference.block_topk_mask defines it)."""
-    check.tensor(q, "q", "[B,S,H,D]", rank=4)
-    B, S, H, D = q.shape
-    check.tensor(k, "k", f"[B,T,Hkv,D]=[{B},T,Hkv,{D}]", rank=4)
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k must have shape [B,T,Hkv,D]=[{B},T,Hkv,{D}] to match q, got shape {tuple(k.shape)}")
-    if k.shape[2] == 0 or H % k.shape[2]:
-        raise ValueError(f"the kv heads of k (Hkv={k.shape[2]}) must divide the query heads of q (H={H})")
-    if k.dtype != q.dtype:
-        raise TypeError(f"k must have the dtype of q ({q.dtype}), got {k.dtype}")
+    _check_q_k(q, k, q_name="H")
+    B = q.shape[0]
     bs = check.int_in_range(block_size, "block_size", 1, 2**31 - 1)
     for name, val in (("topk_blocks", topk_blocks), ("sink_blocks", sink_blocks), ("local_blocks", local_blocks)):
         check.int_in_range(val, name, 0, 2**31 - 1)
@@ -229,16 +239,6 @@ def block_sparse_attention(q, k, v, block_mask, *, scale=None, causal: bool = Tr
                                                               block_size=mask.block_size, scale=sc, causal=causal,
                                                               q_start=qs),
     })
-
-
-def attention_recall(q, k, v, selection, *, scale=None, causal: bool = True, q_start=None):
-    """What a selection keeps of dense attention: reference.attention_recall
-    (softmax mass covered per query and head, and the output's relative
-    error). selection: indices [B,S,topk] or a BlockMask."""
-    if isinstance(selection, BlockMask):
-        selection = tuple(selection)
-    return reference.attention_recall(q, k, v, selection, scale=_scale(scale, q.shape[-1]), causal=causal,
-                                      q_start=q_start)
 
 
 # ------------------------------------------------ autograd and fakes --

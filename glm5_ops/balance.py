@@ -12,8 +12,8 @@ The bias only changes which experts are chosen, never the mixing weights
 (moe_route takes the weights from the un-biased sigmoid scores), so balancing
 does not bias the layer's output or its gradients; there is no loss term.
 
-The formulas live in glm5_ops/reference.py (expert_load, max_violation,
-bias_update, switch_aux_loss, seq_aux_loss) and are re-exported here.
+The formulas (expert_load, max_violation, bias_update, switch_aux_loss,
+seq_aux_loss) are plain PyTorch functions at the bottom of this module.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import torch
 
 from . import _checks as check
 from .moe import moe_route
-from .reference import bias_update, expert_load, max_violation, seq_aux_loss, switch_aux_loss
 
 __all__ = ["ExpertBalancer", "bias_update", "expert_load", "max_violation", "seq_aux_loss", "switch_aux_loss"]
 
@@ -86,3 +85,70 @@ class ExpertBalancer:
         """Clears the histogram and the step count (the bias stays)."""
         self.histogram.zero_()
         self.steps = 0
+
+
+# Load balancing. Sources: DeepSeek-V3 technical report (arXiv 2412.19437)
+# section 2.1.2 (auxiliary-loss-free bias update, eqs. 16; sequence-wise
+# balance loss, eqs. 17-20, alpha = 1e-4 in its runs) and section 4.5.2
+# (MaxVio); Switch Transformer (Fedus et al., arXiv 2101.03961) eqs. 4-6.
+
+def expert_load(ids, num_experts):
+    """int64 [E]: how many (token, slot) pairs chose each expert (ids [...], in [0,E))."""
+    return torch.bincount(ids.reshape(-1).long(), minlength=num_experts)
+
+
+def max_violation(load):
+    """MaxVio = (max_e load_e - mean load) / mean load, a 0-dim fp32 tensor
+    (0 for perfect balance; 0 when nothing was routed)."""
+    lf = load.float()
+    mean = lf.mean()
+    return torch.where(mean > 0, (lf.max() - mean) / torch.where(mean > 0, mean, 1.0),
+                       torch.zeros_like(mean))
+
+
+def bias_update(bias, load, rate=1e-3):
+    """DeepSeek-V3's auxiliary-loss-free update, out of place:
+        bias_e + rate * sign(mean(load) - load_e)
+    (overloaded experts go down by rate, underloaded up, exact-mean ones stay).
+    The bias only steers moe_route's choice, never the mixing weights."""
+    lf = load.to(torch.float32)
+    return (bias.float() + rate * torch.sign(lf.mean() - lf)).to(bias.dtype)
+
+
+def switch_aux_loss(probs, ids):
+    """Switch Transformer load-balancing loss, generalised to top-k:
+        f_e = count_e / (T * k)   (fraction of the T*k assignments sent to e)
+        P_e = mean_t probs[t, e]  (mean router probability of e)
+        loss = E * sum_e f_e * P_e
+    probs [T,E] are the router probabilities as the caller defines them
+    (Switch: softmax of the logits); ids [T,k]. 1 at perfect balance with
+    uniform probabilities; HF Mixtral's load_balancing_loss_func is k times
+    this. Multiply by the loss coefficient (Switch: 1e-2) outside.
+    Differentiable with respect to probs (fp32 scalar)."""
+    T, E = probs.shape
+    k = ids.shape[1]
+    f = expert_load(ids, E).float() / max(T * k, 1)
+    return E * (f * probs.float().mean(0)).sum()
+
+
+def seq_aux_loss(scores, ids):
+    """DeepSeek-V3's sequence-wise balance loss (eqs. 17-20), averaged over sequences.
+
+    scores [..., L, E]: the router's un-biased affinities s_{t,e} (sigmoid
+    scores) for the L tokens of each sequence (a 2-D [L,E] is one sequence);
+    ids [..., L, k]: the experts each token was routed to. Per sequence:
+        s'_{t,e} = s_{t,e} / sum_e' s_{t,e'}
+        f_e = E / (k * L) * #{t : e in ids[t]}
+        P_e = (1/L) sum_t s'_{t,e}
+        L_bal = sum_e f_e * P_e
+    Returns the mean of L_bal over sequences (fp32 scalar, differentiable with
+    respect to scores); multiply by alpha (DeepSeek-V3: 1e-4) outside. 1 at
+    perfect balance with uniform affinities."""
+    E, k, L = scores.shape[-1], ids.shape[-1], scores.shape[-2]
+    s = scores.float().reshape(-1, L, E)
+    i = ids.long().reshape(-1, L, k)
+    s_norm = s / s.sum(-1, keepdim=True)
+    hits = torch.zeros_like(s).scatter_(-1, i, 1.0)                # [n, L, E] one-hot of chosen
+    f = hits.sum(1) * (E / (k * L))                                # [n, E]
+    P = s_norm.mean(1)                                             # [n, E]
+    return (f * P).sum(-1).mean()

@@ -66,13 +66,14 @@ def quantize_groupwise(x: torch.Tensor, bits: int, group_size: int = 128, stocha
     group_size must divide C (a group never spans two rows) and be a multiple of 8/bits.
     Deterministic rounding is half to even; stochastic=True rounds up with probability
     equal to the fractional part (unbiased), drawing from `seed` (None: from torch's RNG)."""
-    check.tensor(x, "x", "[..., C] (floating point)")
+    check.tensor(x, "x", "[..., C]")
     if x.dim() == 0:
-        raise ValueError("x must have shape [..., C] (rank >= 1): groups run along the last dimension")
+        raise ValueError("x must have shape [..., C] (rank >= 1, groups run along the last dimension), "
+                         "got a 0-d tensor")
     _check_bits_group(bits, group_size)
     if x.shape[-1] % group_size:
-        raise ValueError(f"group_size={group_size} must divide the last dimension of x "
-                         f"(shape {tuple(x.shape)}); reshape x or pick another group_size")
+        raise ValueError(f"group_size must divide the last dimension of x (shape {tuple(x.shape)}), "
+                         f"got {group_size}")
     seed = _check_seed(seed) if stochastic else 0
     x = x.detach().contiguous()
     return dispatch("quantize_groupwise", x.device, {
@@ -94,9 +95,9 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     if not shape or any(s < 0 for s in shape):
         raise ValueError(f"shape must be the non-empty shape that was quantised, got {shape}")
     if shape[-1] % group_size:
-        raise ValueError(f"group_size={group_size} must divide the last dimension of shape {shape}")
+        raise ValueError(f"group_size must divide the last dimension of shape {shape}, got {group_size}")
     if dtype not in check.FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of fp32, fp16, bf16, got {dtype}")
+        raise TypeError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
     numel = math.prod(shape)
     G = numel // group_size
     check.tensor(packed, "packed", f"[{numel * bits // 8}] uint8", rank=1, dtypes=(torch.uint8,))

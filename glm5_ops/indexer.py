@@ -8,7 +8,8 @@ Layouts (all row-major, contiguous after the call makes them so):
   scores  [B, S, T]     fp32                sum_h w * relu(q_h . k), -inf in the causal future
   indices [..., k]      int32               selected positions, -1 in unused slots (last)
 
-Semantics: glm5_ops/reference.py. Backends: glm5_ops/_backend.py.
+Semantics: glm5_ops/reference.py; argument contract and degenerate shapes:
+docs/OPS.md. Backends: glm5_ops/_backend.py.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from ._backend import cpp_ops, dispatch, triton_module
 def _check_indexer_inputs(q, w, k, q_start):
     check.tensor(q, "q", "[B,S,H,D]", rank=4)
     B, S, H, D = q.shape
-    if H < 1:
-        raise ValueError(f"q must have shape [B,S,H,D] with H >= 1, got shape {tuple(q.shape)}")
+    check.nonempty(q, "q", "[B,S,H,D]", 2, "H")  # the kernels divide by H
+    check.nonempty(q, "q", "[B,S,H,D]", 3, "D")
     check.tensor(w, "w", f"[B,S,H]=[{B},{S},{H}]", rank=3)
     check.tensor(k, "k", f"[B,T,D]=[{B},T,{D}]", rank=3)
     if tuple(w.shape) != (B, S, H):
@@ -31,9 +32,8 @@ def _check_indexer_inputs(q, w, k, q_start):
     check.dim(k, "k", f"[B,T,D]=[{B},T,{D}]", 0, B, "B")
     check.dim(k, "k", f"[B,T,D]=[{B},T,{D}]", 2, D, "D")
     if k.dtype != q.dtype:
-        raise TypeError(f"k must have the dtype of q ({q.dtype}), got {k.dtype}")
-    if k.shape[1] < 1:
-        raise ValueError("k must hold at least one key (T >= 1)")
+        raise TypeError(f"k must have the dtype of q ({check.dtype_name(q.dtype)}), got {check.dtype_name(k.dtype)}")
+    check.nonempty(k, "k", f"[B,T,D]=[{B},T,{D}]", 1, "T")
     device = check.same_device(q=q, w=w, k=k)
     return q.contiguous(), w.contiguous(), k.contiguous(), check.q_start(q_start, B, device), device
 
@@ -58,6 +58,7 @@ def topk_indices(scores, k: int, *, sorted: bool = False) -> torch.Tensor:
     check.tensor(scores, "scores", "[..., T]")
     if scores.dim() < 1:
         raise ValueError("scores must have shape [..., T] (rank >= 1), got a 0-d tensor")
+    check.nonempty(scores, "scores", "[..., T]", -1, "T")
     check.int_in_range(k, "k", 1, scores.shape[-1])
     scores = scores.contiguous()
     return dispatch("topk_indices", scores.device, {

@@ -32,7 +32,8 @@ fused_moe (the routed-expert layer, transformers' GlmMoeDsaExperts):
   Differentiable in x, w_gate_up, w_down and weights (fused_moe_bwd recomputes
   the gate/up activations; nothing but the inputs is saved).
 
-Semantics: glm5_ops/reference.py (moe_route, moe_dispatch, moe_combine, fused_moe).
+Semantics: glm5_ops/reference.py (moe_route, moe_dispatch, moe_combine, fused_moe);
+argument contract and degenerate shapes: docs/OPS.md.
 Backends: glm5_ops/_backend.py ("cpp", "reference"; "triton" for moe_route and
 fused_moe through glm5_ops/triton/moe.py).
 """
@@ -43,7 +44,7 @@ import torch
 from . import _checks as check
 from . import reference
 from ._backend import _C, cpp_ops, current_backend, dispatch, triton_module
-from .reference import MoEPlan
+from .moe_plan import MoEPlan
 
 
 MOE_FLOAT_DTYPES = check.FLOAT_DTYPES + (torch.float64,)
@@ -81,12 +82,14 @@ def moe_route(h, gate_w, bias, *, top_k: int, n_group: int = 1, topk_group: int 
     check.tensor(gate_w, "gate_w", f"[E,D={D}]", rank=2)
     check.dim(gate_w, "gate_w", f"[E,D={D}]", 1, D, "D")
     E = gate_w.shape[0]
+    if E < 2:  # the group score sums each group's top 2
+        raise ValueError(f"gate_w must have shape [E,D={D}] with E >= 2 experts, got shape {tuple(gate_w.shape)}")
     check.tensor(bias, "bias", f"[E={E}]", rank=1)
     check.dim(bias, "bias", f"[E={E}]", 0, E, "E")
-    _int(n_group, "n_group", 1, max(E, 1))
-    if E % n_group or E // n_group < 2:
-        raise ValueError(f"n_group={n_group} must divide the E={E} experts of gate_w into groups of at "
-                         "least 2 experts (the group score sums each group's top 2)")
+    _int(n_group, "n_group", 1, E // 2)
+    if E % n_group:
+        raise ValueError(f"n_group must divide the E={E} experts of gate_w into groups of at least 2 experts "
+                         f"(the group score sums each group's top 2), got {n_group}")
     _int(topk_group, "topk_group", 1, n_group)
     _int(top_k, "top_k", 1, topk_group * (E // n_group))
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
@@ -122,8 +125,8 @@ def moe_dispatch(x, ids, num_experts: int, *, align: int = 1):
     device = check.same_device(x=x, ids=ids)
     _ids_in_range(ids, num_experts, "ids", "expert ids")
     if T * ids.shape[1] + num_experts * (align - 1) > _INT32_MAX:
-        raise ValueError(f"moe_dispatch: T*k + num_experts*(align-1) sorted rows must fit int32, got "
-                         f"T={T}, k={ids.shape[1]}, num_experts={num_experts}, align={align}")
+        raise ValueError(f"ids, num_experts and align must give T*k + num_experts*(align-1) sorted rows that fit "
+                         f"int32, got T={T}, k={ids.shape[1]}, num_experts={num_experts}, align={align}")
     x, ids = x.contiguous(), ids.to(torch.int32).contiguous()
 
     def cpp():
@@ -187,7 +190,7 @@ def fused_moe(x, w_gate_up, w_down, weights, ids):
         raise ValueError(f"w_gate_up must have shape [E,2I,D={D}] (an even number of gate+up rows), "
                          f"got shape {tuple(w_gate_up.shape)}")
     E, I = w_gate_up.shape[0], w_gate_up.shape[1] // 2
-    _int(E, "the expert count E of w_gate_up", 1)
+    check.nonempty(w_gate_up, "w_gate_up", f"[E,2I,D={D}]", 0, "E")
     check.tensor(w_down, "w_down", f"[E={E},D={D},I={I}]", rank=3, dtypes=MOE_FLOAT_DTYPES)
     if tuple(w_down.shape) != (E, D, I):
         raise ValueError(f"w_down must have shape [E={E},D={D},I={I}] to match w_gate_up, "
@@ -202,7 +205,7 @@ def fused_moe(x, w_gate_up, w_down, weights, ids):
     if tuple(weights.shape) != (T, k):
         raise ValueError(f"weights must have shape [T,k]=[{T},{k}] like ids, got shape {tuple(weights.shape)}")
     if T * k > _INT32_MAX:
-        raise ValueError(f"fused_moe: T*k = {T * k} (token, slot) pairs must fit int32")
+        raise ValueError(f"ids must have at most 2^31-1 (token, slot) pairs T*k, got T={T}, k={k}")
     device = check.same_device(x=x, w_gate_up=w_gate_up, w_down=w_down, weights=weights, ids=ids)
     _ids_in_range(ids, E, "ids", f"expert ids of w_gate_up's E={E} experts")
     x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()

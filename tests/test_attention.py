@@ -334,7 +334,7 @@ def test_opcheck(with_q_start):
 
 def test_bad_input_names_the_argument():
     q, k, v, idx, *_ = _sparse_args()
-    with pytest.raises(ValueError, match="must divide the query heads"):
+    with pytest.raises(ValueError, match=r"k must have a kv head count Hkv that divides q.s Hq=3, got shape"):
         glm5_ops.sparse_attention(q[:, :, :3], k, v, idx)
     with pytest.raises(ValueError, match="k must have shape"):
         glm5_ops.sparse_attention(q, k[..., :8], v, idx)
@@ -344,7 +344,7 @@ def test_bad_input_names_the_argument():
         glm5_ops.sparse_attention(q, k, v, idx.float())
     with pytest.raises(ValueError, match="indices must have shape"):
         glm5_ops.sparse_attention(q, k, v, idx[:, :3])
-    with pytest.raises(ValueError, match="indices entries"):
+    with pytest.raises(ValueError, match=r"indices must hold -1 or key positions in \[0, T=\d+\), got values"):
         glm5_ops.sparse_attention(q, k, v, idx + 100)
     with pytest.raises(TypeError, match="dtype of q"):
         glm5_ops.sparse_attention(q, k.half(), v.half(), idx)
@@ -352,11 +352,11 @@ def test_bad_input_names_the_argument():
         glm5_ops.sparse_attention(q, k, v, idx, scale=-1.0)
     bq, bk, bv, num, bidx, bs, *_ = _block_args()
     mask = glm5_ops.BlockMask(num, bidx, bs)
-    with pytest.raises(ValueError, match="block mask is for another shape"):
+    with pytest.raises(ValueError, match=r"kv_num_blocks must have shape .* the block mask is for another shape, got"):
         glm5_ops.block_sparse_attention(bq[:, :9], bk, bv, mask)
     with pytest.raises(ValueError, match="kv_indices"):
         glm5_ops.block_sparse_attention(bq, bk, bv, glm5_ops.BlockMask(num, bidx + 10, bs))
-    with pytest.raises(ValueError, match="same key block twice"):
+    with pytest.raises(ValueError, match="kv_indices must list each key block at most once per row, got a repeat"):
         twice = bidx.clone()
         twice[..., 1] = twice[..., 0]
         glm5_ops.block_sparse_attention(bq, bk, bv, glm5_ops.BlockMask(torch.full_like(num, 2), twice, bs))
@@ -364,7 +364,7 @@ def test_bad_input_names_the_argument():
         glm5_ops.block_sparse_attention(bq, bk, bv, "causal")
     with pytest.raises(ValueError, match="pooling"):
         glm5_ops.block_topk_mask(bq, bk, block_size=8, topk_blocks=1, pooling="max")
-    with pytest.raises(ValueError, match="must divide"):
+    with pytest.raises(ValueError, match=r"k must have a kv head count Hkv that divides q.s H=3, got shape"):
         glm5_ops.block_topk_mask(bq[:, :, :3], bk, block_size=8, topk_blocks=1)
 
 

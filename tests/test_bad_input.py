@@ -1,6 +1,8 @@
 """Bad input raises a clear error naming the argument and the expected shape,
 on every backend (the checks run before dispatch), and the C++ ops guard
 direct torch.ops calls too."""
+import re
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def test_q_start_checked(backend):
 
 def test_mixed_devices(backend):
     other = torch.device("meta") if DEVICE.type == "cpu" else torch.device("cpu")
-    with pytest.raises(ValueError, match=r"all tensors must be on one device.*k on"):
+    with pytest.raises(ValueError, match=r"k must be on \S+ like q \(all tensors on one device\), got q on .*, k on"):
         glm5_ops.indexer_topk(q, w, k.to(other), 3)
     with pytest.raises(ValueError, match=r"q_start must be on"):
         glm5_ops.indexer_scores(q, w, k, q_start=torch.tensor([1, 2], device=other))
@@ -123,3 +125,119 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     with glm5_ops.use_backend("triton"):
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             glm5_ops.topk_indices(fresh(2, 10), 3)
+
+
+# ---------------------------------------------------- one check layer: the wrappers --
+# The oracles assume valid input (glm5_ops/reference.py); every contract is
+# checked by the public wrapper, so each case raises the same way on every
+# backend. The message names the argument, says "must" and what it got.
+
+def _attn(S=4, T=10, Hq=4, Hkv=2, D=8):
+    return fresh(1, S, Hq, D), fresh(1, T, Hkv, D), fresh(1, T, Hkv, D)
+
+
+def _idx(S=4, topk=3, value=0):
+    return torch.full((1, S, topk), value, dtype=torch.int32, device=DEVICE)
+
+
+def _mask(num=1, first=0, Qb=2, W=2):
+    n = torch.full((1, 1, Qb), num, dtype=torch.int32, device=DEVICE)
+    i = torch.zeros(1, 1, Qb, W, dtype=torch.int32, device=DEVICE)
+    i[..., 0] = first
+    return glm5_ops.BlockMask(n, i, 4)
+
+
+def _moe(T=6, D=8, I=3, E=5, k=2):
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32, device=DEVICE)
+    return fresh(T, D), fresh(E, 2 * I, D), fresh(E, D, I), fresh(T, k), ids
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+WRAPPER_CASES = [
+    ("sparse Hkv", lambda: glm5_ops.sparse_attention(*_attn(Hq=3), _idx()), ValueError, "k", r"divides q's Hq=3"),
+    ("sparse index past T", lambda: glm5_ops.sparse_attention(*_attn(), _idx(value=10)), ValueError, "indices",
+     r"in \[0, T=10\), got values in \[10, 10\]"),
+    ("sparse index below -1", lambda: glm5_ops.sparse_attention(*_attn(), _idx(value=-2)), ValueError, "indices",
+     r"-1 or key positions"),
+    ("sparse float indices", lambda: glm5_ops.sparse_attention(*_attn(), _idx().float()), TypeError, "indices",
+     r"dtype in \(int32, int64\)"),
+    ("block mask query blocks", lambda: glm5_ops.block_sparse_attention(*_attn(S=12), _mask()), ValueError,
+     "kv_num_blocks", r"\[B,Hq,Qb\]"),
+    ("block mask entry past Kb", lambda: glm5_ops.block_sparse_attention(*_attn(S=8), _mask(first=3)), ValueError,
+     "kv_indices", r"\[0, Kb=3\).*got values in \[3, 3\]"),
+    ("block mask count past W", lambda: glm5_ops.block_sparse_attention(*_attn(S=8), _mask(num=3)), ValueError,
+     "kv_num_blocks", r"\[0, min\(maxKV=2, Kb=3\)\], got values in \[3, 3\]"),
+    ("block_topk pooling", lambda: glm5_ops.block_topk_mask(*_attn()[:2], block_size=4, topk_blocks=1, pooling="max"),
+     ValueError, "pooling", "'mean' or 'minmax'"),
+    ("block_topk block_size", lambda: glm5_ops.block_topk_mask(*_attn()[:2], block_size=0, topk_blocks=1),
+     ValueError, "block_size", r"in \[1, "),
+    ("recall selection past T", lambda: glm5_ops.attention_recall(*_attn(), _idx(value=10)), ValueError,
+     "selection", r"in \[0, T=10\)"),
+    ("route n_group", lambda: glm5_ops.moe_route(fresh(4, 8), fresh(6, 8), fresh(6), top_k=2, n_group=4),
+     ValueError, "n_group", r"in \[1, 3\]"),
+    ("route top_k", lambda: glm5_ops.moe_route(fresh(4, 8), fresh(6, 8), fresh(6), top_k=4, n_group=2),
+     ValueError, "top_k", r"in \[1, 3\]"),
+    ("fused ids past E", lambda: glm5_ops.fused_moe(*_moe()[:4], torch.full((6, 2), 5, dtype=torch.int32,
+                                                                           device=DEVICE)),
+     ValueError, "ids", r"\[0, 5\), got values in \[5, 5\]"),
+    ("fused weights", lambda: glm5_ops.fused_moe(*_moe()[:3], fresh(6, 1), _moe()[4]), ValueError, "weights",
+     r"\[T,k\]=\[6,2\]"),
+    ("combine token_slot", lambda: glm5_ops.moe_combine(fresh(3, 8), _i32(0, 3).view(2, 1), fresh(2, 1)),
+     ValueError, "token_slot", r"\[0, 3\), got values in \[0, 3\]"),
+    ("quantize bits", lambda: glm5_ops.quantize_groupwise(fresh(4, 64), 3, 32), ValueError, "bits", r"\(8, 4, 2\)"),
+    ("quantize group_size", lambda: glm5_ops.quantize_groupwise(fresh(4, 64), 8, 48), ValueError, "group_size",
+     "divide the last dimension"),
+    ("quantize int x", lambda: glm5_ops.quantize_groupwise(torch.arange(64, device=DEVICE).view(1, 64), 8, 32),
+     TypeError, "x", "dtype in"),
+    ("dequantize packed", lambda: glm5_ops.dequantize(torch.zeros(31, dtype=torch.uint8, device=DEVICE),
+                                                      fresh(1), fresh(1), 8, 32, (1, 32)),
+     ValueError, "packed", r"bytes=32"),
+]
+
+
+@pytest.mark.parametrize("name,call,exc,arg,detail", WRAPPER_CASES, ids=[c[0] for c in WRAPPER_CASES])
+def test_wrappers_check_every_contract(backend, name, call, exc, arg, detail):
+    """Bad input raises on every backend, before any kernel, naming the argument
+    as spelled in the signature, what it must be and what it got."""
+    with pytest.raises(exc) as err:
+        call()
+    msg = str(err.value)
+    assert msg.startswith(f"{arg} must ") and ", got " in msg, msg
+    assert re.search(detail, msg), msg
+
+
+# --------------------------- direct torch.ops calls: C++ guards the memory it reads --
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA kernels skip such entries (no host sync)")
+def test_direct_calls_with_out_of_range_indices_raise():
+    """No Python check runs on a direct torch.ops.glm5 call: the C++ kernels
+    refuse indices they would read out of bounds with, and never read them."""
+    ops = torch.ops.glm5
+    q, k, v = fresh(1, 4, 2, 16), fresh(1, 10, 1, 16), fresh(1, 10, 1, 16)
+    out, lse = fresh(1, 4, 2, 16), fresh(1, 4, 2)
+    for bad in (10, -2):
+        idx = torch.tensor([[[0, 1, bad]] * 4], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match=r"indices entries must be -1 or key positions in \[0, T=10\)"):
+            ops.sparse_attention_fwd(q, k, v, idx, 0.25, False, None)
+        with pytest.raises(RuntimeError, match=r"indices entries must be -1 or key positions in \[0, T=10\)"):
+            ops.sparse_attention_bwd(out, q, k, v, idx, out, lse, 0.25, False, None)
+    x, wgu, wd, w, ids = _moe()
+    for bad in (5, -1):
+        bad_ids = ids.clone()
+        bad_ids[3, 1] = bad
+        with pytest.raises(RuntimeError, match=r"ids must be expert ids in \[0, num_experts=5\)"):
+            ops.moe_dispatch(x, bad_ids, 5, 1)
+        with pytest.raises(RuntimeError, match=r"ids must be expert ids in \[0, E=5\)"):
+            ops.fused_moe_fwd(x, wgu, wd, w, bad_ids)
+        with pytest.raises(RuntimeError, match=r"ids must be expert ids in \[0, E=5\)"):
+            ops.fused_moe_bwd(x, x, wgu, wd, w, bad_ids)
+    for bad in (12, -1):
+        slot = torch.arange(12, dtype=torch.int32).view(6, 2).clone()
+        slot[2, 0] = bad
+        with pytest.raises(RuntimeError, match=r"token_slot entries must be rows of y_sorted in \[0, N=12\)"):
+            ops.moe_combine(fresh(12, 8), slot, w)
+    with pytest.raises(RuntimeError, match=r"topk must be in \[1, T=10\]"):
+        ops.indexer_topk(fresh(1, 4, 2, 8), fresh(1, 4, 2), fresh(1, 10, 8), 11, True, None)

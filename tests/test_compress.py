@@ -128,7 +128,8 @@ def test_opcheck():
 @pytest.mark.parametrize("call,exc,match", [
     (lambda x: quantize_groupwise(x, 3), ValueError, r"bits must be one of \(8, 4, 2\), got 3"),
     (lambda x: quantize_groupwise(x, 16), ValueError, r"bits must be one of"),
-    (lambda x: quantize_groupwise(x, 8, 100), ValueError, r"group_size=100 must divide the last dimension of x"),
+    (lambda x: quantize_groupwise(x, 8, 100), ValueError,
+     r"group_size must divide the last dimension of x \(shape \(4, 256\)\), got 100"),
     (lambda x: quantize_groupwise(x, 2, 30), ValueError, r"group_size must be .* multiple of 4"),
     (lambda x: quantize_groupwise(x, 8, 0), ValueError, r"group_size must be a positive int"),
     (lambda x: quantize_groupwise(x.int(), 8), TypeError, r"x must have dtype in"),
@@ -136,7 +137,7 @@ def test_opcheck():
     (lambda x: quantize_groupwise(x, 8, stochastic=True, seed=1.5), ValueError, r"seed must be"),
     (lambda x: dequantize(*quantize_groupwise(x, 8), 4, 128, x.shape), ValueError, r"packed must have shape"),
     (lambda x: dequantize(*quantize_groupwise(x, 8), 8, 128, (4, 100)), ValueError,
-     r"group_size=128 must divide the last dimension of shape"),
+     r"group_size must divide the last dimension of shape \(4, 100\), got 128"),
     (lambda x: dequantize(*quantize_groupwise(x, 8), 8, 128, x.shape, torch.int32), TypeError, r"dtype must be"),
     (lambda x: dequantize(quantize_groupwise(x, 8)[0].int(), *quantize_groupwise(x, 8)[1:], 8, 128, x.shape),
      TypeError, r"packed must have dtype"),

@@ -8,7 +8,7 @@ import torch
 import glm5_ops
 from conftest import DEVICE, INTERPRETED, fresh
 from glm5_ops import moe, reference
-from glm5_ops.reference import MoEPlan
+from glm5_ops import MoEPlan
 
 ops = torch.ops.glm5
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -221,7 +221,7 @@ def test_route_bad_input(backend):
         (dict(gate_w=gate_w[:, :8]), ValueError, r"gate_w must have shape \[E,D=16\]"),
         (dict(bias=bias[:5]), ValueError, r"bias must have shape \[E=32\]"),
         (dict(h=h.int()), TypeError, r"h must have dtype"),
-        (dict(n_group=5), ValueError, r"n_group=5 must divide the E=32 experts"),
+        (dict(n_group=5), ValueError, r"n_group must divide the E=32 experts .*got 5"),
         (dict(n_group=4, topk_group=5), ValueError, r"topk_group must be in \[1, 4\]"),
         (dict(n_group=4, topk_group=1, top_k=9), ValueError, r"top_k must be in \[1, 8\]"),
         (dict(top_k=0), ValueError, r"top_k must be in \[1, 32\]"),

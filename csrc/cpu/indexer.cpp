@@ -193,6 +193,7 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& w, const at::Tens
   const Fp32Inputs in(q, w, k);
   const IndexerProblem p = make_problem(in, causal, q_start);
   at::Tensor out = at::empty({p.B, p.S, topk}, q.options().dtype(at::kInt));
+  if (out.numel() == 0) return out;  // no queries: key_splits would divide by zero tasks
   const int64_t qpb = p.queries_per_block(), nqb = (p.S + qpb - 1) / qpb, tasks = p.B * nqb;
   const int64_t splits = key_splits(p, tasks);
   int32_t* out_ptr = out.data_ptr<int32_t>();
