@@ -7,10 +7,8 @@
 Layouts and semantics: each family's module docstring and glm5_ops/reference.py;
 the argument contract and degenerate shapes: docs/OPS.md.
 """
-from . import _fake  # noqa: F401  (shapes for torch.compile / opcheck)
 from . import reference
 from ._backend import BACKENDS, current_backend, use_backend
-from . import moe  # noqa: F401  (register_fake + register_autograd of the MoE ops)
 from .attention import BlockMask, block_sparse_attention, block_topk_mask, sparse_attention
 from .compress import SavedTensorMeter, compressed_activations, dequantize, quantize_groupwise
 from .indexer import indexer_scores, indexer_topk, topk_indices

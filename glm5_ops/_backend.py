@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import os
 
@@ -74,3 +75,44 @@ def dispatch(op: str, device: torch.device, impls: dict, *args, **kwargs):
     except NotImplementedError as e:
         raise NotImplementedError(f"glm5_ops.{op}: the {backend!r} backend has no kernel for "
                                   f"{device.type} tensors ({str(e).splitlines()[0]})") from e
+
+
+# ---------------------------------------------------------- op registration --
+# The Triton kernels are ops too (namespace glm5_triton), so every backend's
+# fake kernels and autograd go through torch.library alike.
+
+TRITON_NAMESPACE = "glm5_triton"
+OP_NAMESPACES = ("glm5", TRITON_NAMESPACE)
+
+
+def _run_triton(family: str, name: str, *args):
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    return getattr(triton_module(family, device), name)(*args)
+
+
+def define_triton_ops(family: str, names) -> None:
+    """glm5_triton::<name> for each name: the schema of glm5::<name> (its one
+    home is csrc/ops.cpp), the kernel glm5_ops.triton.<family>.<name>, imported
+    at the first call (so importing glm5_ops never needs triton)."""
+    for name in names:
+        schema = str(getattr(cpp_ops(), name).default._schema)
+        torch.library.custom_op(f"{TRITON_NAMESPACE}::{name}", functools.partial(_run_triton, family, name),
+                                mutates_args=(), schema=schema[schema.index("("):])
+
+
+def triton_ops(device: torch.device):
+    """torch.ops.glm5_triton, once the device can run the Triton kernels."""
+    triton_ready(device)
+    cpp_ops()   # the glm5_triton ops are defined with glm5's schemas
+    return getattr(torch.ops, TRITON_NAMESPACE)
+
+
+def register_op(name: str, fake, make_backward=None, setup_context=None, namespaces=OP_NAMESPACES) -> None:
+    """register_fake (and, for a differentiable op, register_autograd) of
+    <ns>::<name> in each namespace; make_backward(torch.ops.<ns>) returns the
+    backward, which calls that namespace's backward ops."""
+    for ns in namespaces:
+        torch.library.register_fake(f"{ns}::{name}", fake)
+        if make_backward is not None:
+            torch.library.register_autograd(f"{ns}::{name}", make_backward(getattr(torch.ops, ns)),
+                                            setup_context=setup_context)

@@ -29,7 +29,7 @@ import torch
 from . import _checks as check
 from . import reference
 from .flex import from_flex_block_mask, to_flex_block_mask
-from ._backend import _C, cpp_ops, current_backend, dispatch, triton_module
+from ._backend import _C, cpp_ops, define_triton_ops, dispatch, register_op, triton_module, triton_ops
 
 
 class BlockMask(NamedTuple):
@@ -180,11 +180,9 @@ def sparse_attention(q, k, v, indices, *, scale=None, causal: bool = False, q_st
     idx = _check_indices(indices, B, S, T, device)
     sc = _scale(scale, Dk)
     qs = check.q_start(q_start, B, device)
-    backend = current_backend(device)
-    if backend == "triton":
-        return _TritonSparse.apply(q, k, v, idx, sc, causal, qs)
     return dispatch("sparse_attention", device, {
         "cpp": lambda: cpp_ops().sparse_attention_fwd(q, k, v, idx, sc, causal, qs),
+        "triton": lambda: triton_ops(device).sparse_attention_fwd(q, k, v, idx, sc, causal, qs),
         "reference": lambda: reference.sparse_attention(q, k, v, idx, scale=sc, causal=causal, q_start=qs),
     })
 
@@ -229,12 +227,10 @@ def block_sparse_attention(q, k, v, block_mask, *, scale=None, causal: bool = Tr
     mask = _check_block_mask(_as_block_mask(block_mask), B, S, Hq, T, device)
     sc = _scale(scale, Dk)
     qs = check.q_start(q_start, B, device)
-    backend = current_backend(device)
-    if backend == "triton":
-        return _TritonBlockSparse.apply(q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.block_size, sc, causal, qs)
+    args = (q, k, v, mask.kv_num_blocks, mask.kv_indices, mask.block_size, sc, causal, qs)
     return dispatch("block_sparse_attention", device, {
-        "cpp": lambda: cpp_ops().block_sparse_attention_fwd(q, k, v, mask.kv_num_blocks, mask.kv_indices,
-                                                            mask.block_size, sc, causal, qs),
+        "cpp": lambda: cpp_ops().block_sparse_attention_fwd(*args),
+        "triton": lambda: triton_ops(device).block_sparse_attention_fwd(*args),
         "reference": lambda: reference.block_sparse_attention(q, k, v, mask.kv_num_blocks, mask.kv_indices,
                                                               block_size=mask.block_size, scale=sc, causal=causal,
                                                               q_start=qs),
@@ -242,106 +238,81 @@ def block_sparse_attention(q, k, v, block_mask, *, scale=None, causal: bool = Tr
 
 
 # ------------------------------------------------ autograd and fakes --
-# "cpp": autograd is registered on the ops themselves (so torch.compile and
-# opcheck see it); "triton": an autograd.Function around the Triton kernels;
-# "reference": autograd through the oracle.
+# One mechanism on every backend: the C++ ops (glm5::) and the Triton kernels
+# (glm5_triton::, same schemas) register the fakes and the autograd formulas
+# below, the backward calling its own namespace's backward op; "reference"
+# differentiates through the oracle.
 
-class _TritonSparse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, idx, scale, causal, qs):
-        out, lse = triton_module("attention", q.device).sparse_attention_fwd(q, k, v, idx, scale, causal, qs)
-        ctx.save_for_backward(q, k, v, idx, out, lse, qs)
-        ctx.args = (scale, causal)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+def _attn_fake(q, v):
+    B, S, Hq, _ = q.shape
+    return q.new_empty((B, S, Hq, v.shape[3])), q.new_empty((B, S, Hq), dtype=torch.float32)
 
-    @staticmethod
+
+def _sparse_fwd_fake(q, k, v, indices, scale, causal, q_start):
+    return _attn_fake(q, v)
+
+
+def _block_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_size, scale, causal, q_start):
+    return _attn_fake(q, v)
+
+
+def _grads_fake(q, k, v):
+    return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _sparse_bwd_fake(dout, q, k, v, indices, out, lse, scale, causal, q_start):
+    return _grads_fake(q, k, v)
+
+
+def _block_bwd_fake(dout, q, k, v, kv_num_blocks, kv_indices, out, lse, block_size, scale, causal, q_start):
+    return _grads_fake(q, k, v)
+
+
+def _block_topk_fake(q, k, block_size, topk_blocks, causal, sink_blocks, local_blocks, pooling, q_start):
+    B, S, H, _ = q.shape
+    Qb, Kb = -(-S // block_size), -(-k.shape[1] // block_size)
+    width = min(Kb, sink_blocks + local_blocks + topk_blocks)
+    return (q.new_empty((B, H, Qb), dtype=torch.int32), q.new_empty((B, H, Qb, width), dtype=torch.int32))
+
+
+def _save_inputs_outputs(ctx, inputs, output):
+    ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)], *output)
+    ctx.non_tensor = [a for a in inputs if not isinstance(a, torch.Tensor)]
+    ctx.has_q_start = inputs[-1] is not None
+    ctx.mark_non_differentiable(output[1])
+
+
+def _unpack(ctx, n_tensor_inputs):
+    saved = list(ctx.saved_tensors)
+    tensors, (out, lse) = saved[:n_tensor_inputs], saved[n_tensor_inputs:]
+    qs = tensors.pop() if ctx.has_q_start else None
+    return tensors, out, lse, qs
+
+
+def _sparse_backward(ops):
     def backward(ctx, dout, _dlse):
-        q, k, v, idx, out, lse, qs = ctx.saved_tensors
-        scale, causal = ctx.args
-        dq, dk, dv = triton_module("attention", q.device).sparse_attention_bwd(
-            dout.contiguous(), q, k, v, idx, out, lse, scale, causal, qs)
+        (q, k, v, idx), out, lse, qs = _unpack(ctx, 4 + ctx.has_q_start)
+        scale, causal = ctx.non_tensor[:2]
+        dq, dk, dv = ops.sparse_attention_bwd(dout.contiguous(), q, k, v, idx, out, lse, scale, causal, qs)
         return dq, dk, dv, None, None, None, None
+    return backward
 
 
-class _TritonBlockSparse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, num, idx, block_size, scale, causal, qs):
-        out, lse = triton_module("attention", q.device).block_sparse_attention_fwd(
-            q, k, v, num, idx, block_size, scale, causal, qs)
-        ctx.save_for_backward(q, k, v, num, idx, out, lse, qs)
-        ctx.args = (block_size, scale, causal)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
+def _block_backward(ops):
     def backward(ctx, dout, _dlse):
-        q, k, v, num, idx, out, lse, qs = ctx.saved_tensors
-        block_size, scale, causal = ctx.args
-        dq, dk, dv = triton_module("attention", q.device).block_sparse_attention_bwd(
-            dout.contiguous(), q, k, v, num, idx, out, lse, block_size, scale, causal, qs)
+        (q, k, v, num, idx), out, lse, qs = _unpack(ctx, 5 + ctx.has_q_start)
+        block_size, scale, causal = ctx.non_tensor[:3]
+        dq, dk, dv = ops.block_sparse_attention_bwd(dout.contiguous(), q, k, v, num, idx, out, lse,
+                                                    block_size, scale, causal, qs)
         return dq, dk, dv, None, None, None, None, None, None
+    return backward
 
 
 if _C is not None:
-
-    def _attn_fake(q, v):
-        B, S, Hq, _ = q.shape
-        return q.new_empty((B, S, Hq, v.shape[3])), q.new_empty((B, S, Hq), dtype=torch.float32)
-
-    @torch.library.register_fake("glm5::sparse_attention_fwd")
-    def _sparse_fwd_fake(q, k, v, indices, scale, causal, q_start):
-        return _attn_fake(q, v)
-
-    @torch.library.register_fake("glm5::block_sparse_attention_fwd")
-    def _block_fwd_fake(q, k, v, kv_num_blocks, kv_indices, block_size, scale, causal, q_start):
-        return _attn_fake(q, v)
-
-    def _grads_fake(q, k, v):
-        return torch.empty_like(q), k.new_empty(k.shape), v.new_empty(v.shape)
-
-    @torch.library.register_fake("glm5::sparse_attention_bwd")
-    def _sparse_bwd_fake(dout, q, k, v, indices, out, lse, scale, causal, q_start):
-        return _grads_fake(q, k, v)
-
-    @torch.library.register_fake("glm5::block_sparse_attention_bwd")
-    def _block_bwd_fake(dout, q, k, v, kv_num_blocks, kv_indices, out, lse, block_size, scale, causal, q_start):
-        return _grads_fake(q, k, v)
-
-    @torch.library.register_fake("glm5::block_topk_mask")
-    def _block_topk_fake(q, k, block_size, topk_blocks, causal, sink_blocks, local_blocks, pooling, q_start):
-        B, S, H, _ = q.shape
-        Qb, Kb = -(-S // block_size), -(-k.shape[1] // block_size)
-        width = min(Kb, sink_blocks + local_blocks + topk_blocks)
-        return (q.new_empty((B, H, Qb), dtype=torch.int32), q.new_empty((B, H, Qb, width), dtype=torch.int32))
-
-    def _save_inputs_outputs(ctx, inputs, output):
-        ctx.save_for_backward(*[t for t in inputs if isinstance(t, torch.Tensor)], *output)
-        ctx.non_tensor = [a for a in inputs if not isinstance(a, torch.Tensor)]
-        ctx.has_q_start = inputs[-1] is not None
-        ctx.mark_non_differentiable(output[1])
-
-    def _unpack(ctx, n_tensor_inputs):
-        saved = list(ctx.saved_tensors)
-        tensors, (out, lse) = saved[:n_tensor_inputs], saved[n_tensor_inputs:]
-        qs = tensors.pop() if ctx.has_q_start else None
-        return tensors, out, lse, qs
-
-    def _sparse_bwd(ctx, dout, _dlse):
-        n = 4 + ctx.has_q_start
-        (q, k, v, idx), out, lse, qs = _unpack(ctx, n)
-        scale, causal = ctx.non_tensor[:2]
-        dq, dk, dv = torch.ops.glm5.sparse_attention_bwd(dout.contiguous(), q, k, v, idx, out, lse, scale, causal, qs)
-        return dq, dk, dv, None, None, None, None
-
-    def _block_bwd(ctx, dout, _dlse):
-        n = 5 + ctx.has_q_start
-        (q, k, v, num, idx), out, lse, qs = _unpack(ctx, n)
-        block_size, scale, causal = ctx.non_tensor[:3]
-        dq, dk, dv = torch.ops.glm5.block_sparse_attention_bwd(dout.contiguous(), q, k, v, num, idx, out, lse,
-                                                               block_size, scale, causal, qs)
-        return dq, dk, dv, None, None, None, None, None, None
-
-    torch.library.register_autograd("glm5::sparse_attention_fwd", _sparse_bwd, setup_context=_save_inputs_outputs)
-    torch.library.register_autograd("glm5::block_sparse_attention_fwd", _block_bwd,
-                                    setup_context=_save_inputs_outputs)
+    define_triton_ops("attention", ("sparse_attention_fwd", "sparse_attention_bwd", "block_sparse_attention_fwd",
+                                    "block_sparse_attention_bwd"))
+    register_op("sparse_attention_fwd", _sparse_fwd_fake, _sparse_backward, _save_inputs_outputs)
+    register_op("block_sparse_attention_fwd", _block_fwd_fake, _block_backward, _save_inputs_outputs)
+    register_op("sparse_attention_bwd", _sparse_bwd_fake)
+    register_op("block_sparse_attention_bwd", _block_bwd_fake)
+    register_op("block_topk_mask", _block_topk_fake, namespaces=("glm5",))

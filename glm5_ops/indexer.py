@@ -17,7 +17,7 @@ import torch
 
 from . import _checks as check
 from . import reference
-from ._backend import cpp_ops, dispatch, triton_module
+from ._backend import _C, cpp_ops, dispatch, register_op, triton_module
 
 
 def _check_indexer_inputs(q, w, k, q_start):
@@ -82,3 +82,23 @@ def indexer_topk(q, w, k, topk: int, *, causal: bool = True, q_start=None) -> to
         "triton": lambda: triton_module("indexer", device).indexer_topk(q, w, k, topk, causal, qs),
         "reference": lambda: reference.indexer_topk(q, w, k, topk, causal=causal, q_start=qs),
     })
+
+
+# ------------------------------------------------------------------ fakes --
+
+def _indexer_scores_fake(q, w, k, causal, q_start):
+    return q.new_empty((q.shape[0], q.shape[1], k.shape[1]), dtype=torch.float32)
+
+
+def _topk_indices_fake(scores, k, sorted):
+    return scores.new_empty((*scores.shape[:-1], k), dtype=torch.int32)
+
+
+def _indexer_topk_fake(q, w, k, topk, causal, q_start):
+    return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)
+
+
+if _C is not None:
+    register_op("indexer_scores", _indexer_scores_fake, namespaces=("glm5",))
+    register_op("topk_indices", _topk_indices_fake, namespaces=("glm5",))
+    register_op("indexer_topk", _indexer_topk_fake, namespaces=("glm5",))

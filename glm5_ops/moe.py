@@ -19,8 +19,9 @@ moe_route returns ids by decreasing biased score (ties: lower expert id first
 on "cpp"); weights are the un-biased sigmoid scores of the chosen experts,
 normalised if norm_topk_prob, times routed_scaling_factor.
 
-Autograd: moe_dispatch is differentiable in x (backward: a gather-sum through
-token_slot, i.e. moe_combine with unit weights), moe_combine in y_sorted
+Autograd: moe_route's weights are differentiable in h and gate_w (ids and
+the choice are not, bias gets no grad); moe_dispatch in x (backward: a
+gather-sum through token_slot, i.e. moe_combine with unit weights), moe_combine in y_sorted
 (scatter of weight * grad into the chosen rows, zero padding rows) and in
 weights (dweights[t, j] = grad[t] . y_sorted[token_slot[t, j]]).
 
@@ -43,7 +44,7 @@ import torch
 
 from . import _checks as check
 from . import reference
-from ._backend import _C, cpp_ops, current_backend, dispatch, triton_module
+from ._backend import _C, cpp_ops, define_triton_ops, dispatch, register_op, triton_ops
 from .moe_plan import MoEPlan
 
 
@@ -101,8 +102,8 @@ def moe_route(h, gate_w, bias, *, top_k: int, n_group: int = 1, topk_group: int 
     return dispatch("moe_route", device, {
         "cpp": lambda: cpp_ops().moe_route(h2, gate_w, bias, top_k, n_group, topk_group,
                                            float(routed_scaling_factor), bool(norm_topk_prob)),
-        "triton": lambda: triton_module("moe", device).moe_route(h2, gate_w, bias, top_k, n_group, topk_group,
-                                                                 float(routed_scaling_factor), bool(norm_topk_prob)),
+        "triton": lambda: triton_ops(device).moe_route(h2, gate_w, bias, top_k, n_group, topk_group,
+                                                       float(routed_scaling_factor), bool(norm_topk_prob)),
         "reference": lambda: reference.moe_route(h2, gate_w, bias, **args),
     })
 
@@ -210,112 +211,132 @@ def fused_moe(x, w_gate_up, w_down, weights, ids):
     _ids_in_range(ids, E, "ids", f"expert ids of w_gate_up's E={E} experts")
     x, w_gate_up, w_down = x.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
     weights, ids = weights.contiguous(), ids.to(torch.int32).contiguous()
-    if current_backend(device) == "triton":
-        return _TritonFusedMoE.apply(x, w_gate_up, w_down, weights, ids)
     return dispatch("fused_moe", device, {
         "cpp": lambda: cpp_ops().fused_moe_fwd(x, w_gate_up, w_down, weights, ids),
+        "triton": lambda: triton_ops(device).fused_moe_fwd(x, w_gate_up, w_down, weights, ids),
         "reference": lambda: reference.fused_moe(x, w_gate_up, w_down, weights, ids),
     })
 
 
-class _TritonFusedMoE(torch.autograd.Function):
-    """"triton": the kernels of glm5_ops/triton/moe.py; the backward, like the
-    C++ one, recomputes the activations from the saved inputs."""
-
-    @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, weights, ids):
-        out = triton_module("moe", x.device).fused_moe_fwd(x, w_gate_up, w_down, weights, ids)
-        ctx.save_for_backward(x, w_gate_up, w_down, weights, ids)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, w_gate_up, w_down, weights, ids = ctx.saved_tensors
-        dx, dwgu, dwd, dw = triton_module("moe", x.device).fused_moe_bwd(dout.contiguous(), x, w_gate_up, w_down,
-                                                                         weights, ids)
-        return dx, dwgu, dwd, dw, None
-
-
 # ------------------------------------------- register_fake and autograd --
+# One mechanism on every backend: the C++ ops (glm5::) and the Triton kernels
+# (glm5_triton::, same schemas) register the fakes and the autograd formulas
+# below, the backward calling its own namespace's backward op; "reference"
+# differentiates through the oracle.
 
 def _acc(*tensors) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-if _C is not None:
+def _moe_route_fake(h, gate_w, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob):
+    T = h.shape[0]
+    return h.new_empty((T, top_k), dtype=torch.float32), h.new_empty((T, top_k), dtype=torch.int32)
 
-    @torch.library.register_fake("glm5::moe_route")
-    def _moe_route_fake(h, gate_w, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob):
-        T = h.shape[0]
-        return h.new_empty((T, top_k), dtype=torch.float32), h.new_empty((T, top_k), dtype=torch.int32)
 
-    @torch.library.register_fake("glm5::moe_dispatch")
-    def _moe_dispatch_fake(x, ids, num_experts, align):
-        T, D = x.shape
-        k = ids.shape[1]
-        if align == 1:
-            N = T * k
-        else:  # the padding depends on the ids: a data-dependent row count
-            N = torch.library.get_ctx().new_dynamic_size()
-        return (x.new_empty((N, D)), x.new_empty((num_experts + 1,), dtype=torch.int32),
-                x.new_empty((N,), dtype=torch.int32), x.new_empty((T, k), dtype=torch.int32))
+def _route_setup(ctx, inputs, output):
+    h, gate_w, _bias, _top_k, _n_group, _topk_group, ctx.scale, ctx.norm = inputs
+    ctx.save_for_backward(h, gate_w, output[1])
+    ctx.mark_non_differentiable(output[1])
 
-    @torch.library.register_fake("glm5::moe_combine")
-    def _moe_combine_fake(y_sorted, token_slot, weights):
-        return y_sorted.new_empty((token_slot.shape[0], y_sorted.shape[1]))
 
-    def _dispatch_setup(ctx, inputs, output):
-        ctx.save_for_backward(output[3])
+def _route_backward(ctx, grad_weights, _grad_ids):
+    """weights = c * s[ids] (/ (sum_j s[ids_j] + 1e-20) if norm), s = sigmoid(h @ gate_w^T).
+    The logits are recomputed (one GEMM, as in the forward) in fp32, float64 for
+    float64 inputs; ids and the choice are not differentiable, bias gets no grad."""
+    h, gate_w, ids = ctx.saved_tensors
+    acc = _acc(h, gate_w, grad_weights)
+    hf, wf, rows = h.to(acc), gate_w.to(acc), ids.long()
+    s = torch.sigmoid(hf @ wf.T).gather(1, rows)                       # [T, k]
+    ds = grad_weights.to(acc) * ctx.scale
+    if ctx.norm:   # d(s_j / z) / ds_i = (delta_ij - s_j / z) / z, z = sum_i s_i + 1e-20
+        z = s.sum(-1, keepdim=True) + 1e-20
+        ds = (ds - (ds * s).sum(-1, keepdim=True) / z) / z
+    dlogits = torch.zeros(h.shape[0], gate_w.shape[0], dtype=acc, device=h.device)
+    dlogits.scatter_add_(1, rows, ds * s * (1 - s))
+    dh = (dlogits @ wf).to(h.dtype) if ctx.needs_input_grad[0] else None
+    dgate_w = (dlogits.T @ hf).to(gate_w.dtype) if ctx.needs_input_grad[1] else None
+    return dh, dgate_w, None, None, None, None, None, None
 
-    def _dispatch_backward(ctx, grad_x_sorted, _g_offsets, _g_slot_token, _g_token_slot):
-        if grad_x_sorted is None:
-            return None, None, None, None
-        (token_slot,) = ctx.saved_tensors
-        ones = torch.ones(token_slot.shape, dtype=_acc(grad_x_sorted), device=token_slot.device)
-        # dx[t] = sum_j grad[token_slot[t, j]]: combine with unit weights (exact products).
-        dx = torch.ops.glm5.moe_combine(grad_x_sorted.contiguous(), token_slot, ones)
-        return dx, None, None, None
 
-    torch.library.register_autograd("glm5::moe_dispatch", _dispatch_backward, setup_context=_dispatch_setup)
+def _moe_dispatch_fake(x, ids, num_experts, align):
+    T, D = x.shape
+    k = ids.shape[1]
+    if align == 1:
+        N = T * k
+    else:  # the padding depends on the ids: a data-dependent row count
+        N = torch.library.get_ctx().new_dynamic_size()
+    return (x.new_empty((N, D)), x.new_empty((num_experts + 1,), dtype=torch.int32),
+            x.new_empty((N,), dtype=torch.int32), x.new_empty((T, k), dtype=torch.int32))
 
-    def _combine_setup(ctx, inputs, output):
-        y_sorted, token_slot, weights = inputs
-        ctx.save_for_backward(y_sorted, token_slot, weights)
 
-    def _combine_backward(ctx, grad):
-        y_sorted, token_slot, weights = ctx.saved_tensors
-        T, k = token_slot.shape
-        N, D = y_sorted.shape
-        acc = _acc(y_sorted, weights, grad)
-        rows = token_slot.reshape(-1).long()
-        g = grad.to(acc)
-        dy = dw = None
-        if ctx.needs_input_grad[0]:
-            # Scatter weight * grad into each (t, j)'s row; padding rows get zero.
-            contrib = (weights.to(acc)[:, :, None] * g[:, None, :]).reshape(T * k, D)
-            dy = torch.zeros((N, D), dtype=acc, device=grad.device).index_add(0, rows, contrib).to(y_sorted.dtype)
-        if ctx.needs_input_grad[2]:
-            gathered = y_sorted.to(acc).index_select(0, rows).reshape(T, k, D)
-            dw = torch.bmm(gathered, g[:, :, None]).reshape(T, k).to(weights.dtype)
-        return dy, None, dw
+def _dispatch_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[3])
 
-    torch.library.register_autograd("glm5::moe_combine", _combine_backward, setup_context=_combine_setup)
 
-    @torch.library.register_fake("glm5::fused_moe_fwd")
-    def _fused_moe_fwd_fake(x, w_gate_up, w_down, weights, ids):
-        return x.new_empty(x.shape)
+def _dispatch_backward(ctx, grad_x_sorted, _g_offsets, _g_slot_token, _g_token_slot):
+    if grad_x_sorted is None:
+        return None, None, None, None
+    (token_slot,) = ctx.saved_tensors
+    ones = torch.ones(token_slot.shape, dtype=_acc(grad_x_sorted), device=token_slot.device)
+    # dx[t] = sum_j grad[token_slot[t, j]]: combine with unit weights (exact products).
+    dx = torch.ops.glm5.moe_combine(grad_x_sorted.contiguous(), token_slot, ones)
+    return dx, None, None, None
 
-    @torch.library.register_fake("glm5::fused_moe_bwd")
-    def _fused_moe_bwd_fake(dout, x, w_gate_up, w_down, weights, ids):
-        return x.new_empty(x.shape), w_gate_up.new_empty(w_gate_up.shape), w_down.new_empty(w_down.shape), \
-            weights.new_empty(weights.shape)
 
-    def _fused_setup(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)  # the inputs only: the backward recomputes the activations
+def _moe_combine_fake(y_sorted, token_slot, weights):
+    return y_sorted.new_empty((token_slot.shape[0], y_sorted.shape[1]))
 
-    def _fused_backward(ctx, grad):
+
+def _combine_setup(ctx, inputs, output):
+    y_sorted, token_slot, weights = inputs
+    ctx.save_for_backward(y_sorted, token_slot, weights)
+
+
+def _combine_backward(ctx, grad):
+    y_sorted, token_slot, weights = ctx.saved_tensors
+    T, k = token_slot.shape
+    N, D = y_sorted.shape
+    acc = _acc(y_sorted, weights, grad)
+    rows = token_slot.reshape(-1).long()
+    g = grad.to(acc)
+    dy = dw = None
+    if ctx.needs_input_grad[0]:
+        # Scatter weight * grad into each (t, j)'s row; padding rows get zero.
+        contrib = (weights.to(acc)[:, :, None] * g[:, None, :]).reshape(T * k, D)
+        dy = torch.zeros((N, D), dtype=acc, device=grad.device).index_add(0, rows, contrib).to(y_sorted.dtype)
+    if ctx.needs_input_grad[2]:
+        gathered = y_sorted.to(acc).index_select(0, rows).reshape(T, k, D)
+        dw = torch.bmm(gathered, g[:, :, None]).reshape(T, k).to(weights.dtype)
+    return dy, None, dw
+
+
+def _fused_moe_fwd_fake(x, w_gate_up, w_down, weights, ids):
+    return x.new_empty(x.shape)
+
+
+def _fused_moe_bwd_fake(dout, x, w_gate_up, w_down, weights, ids):
+    return x.new_empty(x.shape), w_gate_up.new_empty(w_gate_up.shape), w_down.new_empty(w_down.shape), \
+        weights.new_empty(weights.shape)
+
+
+def _fused_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # the inputs only: the backward recomputes the activations
+
+
+def _fused_backward(ops):
+    def backward(ctx, grad):
         x, w_gate_up, w_down, weights, ids = ctx.saved_tensors
-        dx, dwgu, dwd, dw = torch.ops.glm5.fused_moe_bwd(grad.contiguous(), x, w_gate_up, w_down, weights, ids)
+        dx, dwgu, dwd, dw = ops.fused_moe_bwd(grad.contiguous(), x, w_gate_up, w_down, weights, ids)
         return dx, dwgu, dwd, dw, None
+    return backward
 
-    torch.library.register_autograd("glm5::fused_moe_fwd", _fused_backward, setup_context=_fused_setup)
+
+if _C is not None:
+    define_triton_ops("moe", ("moe_route", "fused_moe_fwd", "fused_moe_bwd"))
+    register_op("moe_route", _moe_route_fake, lambda ops: _route_backward, _route_setup)
+    register_op("fused_moe_fwd", _fused_moe_fwd_fake, _fused_backward, _fused_setup)
+    register_op("fused_moe_bwd", _fused_moe_bwd_fake)
+    register_op("moe_dispatch", _moe_dispatch_fake, lambda ops: _dispatch_backward, _dispatch_setup,
+                namespaces=("glm5",))
+    register_op("moe_combine", _moe_combine_fake, lambda ops: _combine_backward, _combine_setup,
+                namespaces=("glm5",))

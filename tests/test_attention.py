@@ -297,7 +297,7 @@ def test_attention_recall_measures_the_selection():
     assert blk.mean_recall == pytest.approx(tok.mean_recall, abs=1e-6)
 
 
-# ---------------------------------------------------------------- opcheck --
+# ------------------------------------------------- arguments of the tests below --
 
 def _sparse_args(causal=True, with_q_start=False):
     q, k, v = qkv(2, 5, 30, 4, 2, 16, 8, torch.float32, 41)
@@ -311,23 +311,6 @@ def _block_args(with_q_start=False):
     m = glm5_ops.block_topk_mask(q, k, block_size=8, topk_blocks=1)
     qs = torch.tensor([11, 9], device=DEVICE) if with_q_start else None
     return q, k, v, m.kv_num_blocks, m.kv_indices, 8, 0.25, True, qs
-
-
-@pytest.mark.parametrize("with_q_start", [False, True])
-def test_opcheck(with_q_start):
-    ops = torch.ops.glm5
-    sargs = _sparse_args(True, with_q_start)
-    torch.library.opcheck(ops.sparse_attention_fwd.default, sargs)
-    out, lse = ops.sparse_attention_fwd(*sargs)
-    torch.library.opcheck(ops.sparse_attention_bwd.default, (torch.randn_like(out), *sargs[:4], out, lse, *sargs[4:]))
-    bargs = _block_args(with_q_start)
-    torch.library.opcheck(ops.block_sparse_attention_fwd.default, bargs)
-    out, lse = ops.block_sparse_attention_fwd(*bargs)
-    torch.library.opcheck(ops.block_sparse_attention_bwd.default,
-                          (torch.randn_like(out), *bargs[:5], out, lse, *bargs[5:]))
-    q, k = bargs[0], bargs[1]
-    torch.library.opcheck(ops.block_topk_mask.default, (q, k, 8, 2, True, 1, 1, "mean", bargs[-1]))
-    torch.library.opcheck(ops.block_topk_mask.default, (q, k, 4, 1, False, 0, 2, "minmax", None))
 
 
 # -------------------------------------------------------------- bad input --

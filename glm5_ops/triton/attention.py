@@ -1,7 +1,8 @@
 """Triton kernels for sparse attention: token-level (DSA) and block-sparse,
 and the block-level predictor (block_topk_mask).
 
-Called by glm5_ops/attention.py with validated inputs:
+Called by glm5_ops/attention.py with validated inputs (the first four as the
+kernels of the glm5_triton:: ops):
 
   sparse_attention_fwd(q, k, v, indices, scale, causal, q_start)               -> (out, lse)
   sparse_attention_bwd(dout, q, k, v, indices, out, lse, scale, causal, q_start) -> (dq, dk, dv)
@@ -49,6 +50,12 @@ size [S, T] is ever stored):
                         blocks, top-k of the rest, ascending order) is done with
                         torch ops on those scores, following the reference step
                         by step (ties may be broken differently).
+What the kernels share is written once, as @triton.jit helpers (inlined):
+_sparse_queries / _block_queries (a program's query rows and q tile),
+_sparse_tile / _block_tile (the next gathered or block key tile, its value
+tile and q.k^T, both through _qk_tile) for the forward and the dq walks,
+_softmax_step / _store_out_lse for both forwards, _probs (P from lse) and
+_dout_delta for the backwards, _load_split / _store_split (Dk's two chunks).
 
 Head dims: Dk is split into a power-of-two main chunk and a padded tail
 (576 = 512 + 64, 192 = 128 + 64, FlashMLA's split), so no tile is padded to
@@ -188,8 +195,139 @@ def _block_config(Dk: int, Dv: int, bs: int, kind: str) -> dict:
 
 
 # --------------------------------------------------------------------------
+# Tiles shared by the kernels (inlined by Triton: no cost at run time)
+# --------------------------------------------------------------------------
+
+@triton.jit
+def _load_split(rows, ok, D, DK1: tl.constexpr, DK2: tl.constexpr):
+    """The rows [R, D] at the pointers `rows` (zeros where not ok), as the
+    power-of-two main chunk [R, DK1] and the tail [R, DK2] of _split_d. Without
+    a tail (DK2 == 0) the second value repeats the first: callers never use it."""
+    d1 = tl.arange(0, DK1)
+    x1 = tl.load(rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < D)[None, :], other=0.0)
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        x2 = tl.load(rows[:, None] + d2[None, :], mask=ok[:, None] & (d2 < D)[None, :], other=0.0)
+    else:
+        x2 = x1
+    return x1, x2
+
+
+@triton.jit
+def _store_split(rows, ok, x1, x2, D, DK1: tl.constexpr, DK2: tl.constexpr):
+    """Stores _load_split's two chunks, cast to the pointers' dtype."""
+    d1 = tl.arange(0, DK1)
+    tl.store(rows[:, None] + d1[None, :], x1, mask=ok[:, None] & (d1 < D)[None, :])
+    if DK2 > 0:
+        d2 = DK1 + tl.arange(0, DK2)
+        tl.store(rows[:, None] + d2[None, :], x2, mask=ok[:, None] & (d2 < D)[None, :])
+
+
+@triton.jit
+def _start(qs_ptr, b, S, T, HAS_QS: tl.constexpr):
+    """Absolute position of batch b's query 0."""
+    if HAS_QS:
+        return tl.load(qs_ptr + b)
+    else:
+        return T - S
+
+
+@triton.jit
+def _qk_tile(q1, q2, k_rows, v_rows, ok, Dk, Dv, IEEE: tl.constexpr, V_FROM_K: tl.constexpr,
+             DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr):
+    """Loads the key rows k_rows and value rows v_rows [BLOCK_N] (zeros where not
+    ok): (q . k^T fp32 [rows, BLOCK_N], unscaled; the key chunks k1, k2; the
+    value tile, the key tile itself when v = k[..., :Dv])."""
+    k1, k2 = _load_split(k_rows, ok, Dk, DK1, DK2)
+    qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
+    if DK2 > 0:
+        qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
+    if V_FROM_K:
+        vt = k1
+    else:
+        vt, _ = _load_split(v_rows, ok, Dv, DV, 0)
+    return qk, k1, k2, vt
+
+
+@triton.jit
+def _softmax_step(qk, m_i, l_i, acc, vt, IEEE: tl.constexpr):
+    """One online-softmax step of the forward kernels: scores qk in the exp2
+    domain, -inf where masked. Returns the new (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # no -inf - -inf on empty rows
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = tl.dot(p, vt, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_out_lse(out_rows, lse_ptrs, ok, acc, m_i, l_i, Dv, DV: tl.constexpr):
+    """out = acc / l, lse = natural log of the normaliser; a row with no key
+    gets zeros and lse = -inf."""
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    _store_split(out_rows, ok, out, out, Dv, DV, 0)
+    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(lse_ptrs, lse, mask=ok)
+
+
+@triton.jit
+def _dout_delta(do_rows, o_rows, ok, Dv, DV: tl.constexpr):
+    """(dO tile, delta = rowsum(dO * O) in fp32) of the backward kernels."""
+    do, _ = _load_split(do_rows, ok, Dv, DV, 0)
+    o, _ = _load_split(o_rows, ok, Dv, DV, 0)
+    return do, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+
+
+@triton.jit
+def _probs(qk, ok, qk_scale, lse):
+    """P = exp(scale * qk - lse), recomputed from the forward's lse; 0 where
+    not ok and in rows with no key (exp2(s - +inf) = 0 for lse = -inf)."""
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return tl.exp2(tl.where(ok, qk * qk_scale, float("-inf")) - lse2[:, None])
+
+
+# --------------------------------------------------------------------------
 # Token-level sparse attention
 # --------------------------------------------------------------------------
+
+@triton.jit
+def _sparse_queries(q_ptr, qs_ptr, S, T, Hq, G, Dk, HAS_QS: tl.constexpr, BLOCK_H: tl.constexpr,
+                    DK1: tl.constexpr, DK2: tl.constexpr):
+    """Program (query row = b * S + s, kv head, block of BLOCK_H of its G query
+    heads): (row, kv head, b, the heads' rows of [B*S*Hq] and mask, q chunks, position)."""
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    b = row // S
+    offs_g = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_g < G
+    stat = row * Hq + (kvh * G + offs_g).to(tl.int64)
+    q1, q2 = _load_split(q_ptr + stat * Dk, h_ok, Dk, DK1, DK2)
+    pos = _start(qs_ptr, b, S, T, HAS_QS) + row % S
+    return row, kvh, b, stat, h_ok, q1, q2, pos
+
+
+@triton.jit
+def _sparse_tile(q1, q2, idx_ptr, row, n0, TOPK, pos, k_base, v_base, sk_t, sv_t, Dk, Dv,
+                 CAUSAL: tl.constexpr, IEEE: tl.constexpr, V_FROM_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr):
+    """Slots n0 .. n0 + BLOCK_N of query row's selection, gathered: (qk, ok,
+    key positions t64, k1, k2, v tile); see _qk_tile."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    t = tl.load(idx_ptr + row * TOPK + offs_n, mask=offs_n < TOPK, other=-1)
+    ok = t >= 0
+    if CAUSAL:
+        ok = ok & (t <= pos)
+    t64 = tl.where(ok, t, 0).to(tl.int64)
+    qk, k1, k2, vt = _qk_tile(q1, q2, k_base + t64 * sk_t, v_base + t64 * sv_t, ok, Dk, Dv,
+                              IEEE, V_FROM_K, DK1, DK2, DV)
+    return qk, ok, t64, k1, k2, vt
+
 
 @triton.jit
 def _sparse_fwd_kernel(
@@ -200,67 +338,18 @@ def _sparse_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_QS: tl.constexpr, V_FROM_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)         # b * S + s
-    kvh = tl.program_id(1)
-    b = row // S
-    s = row % S
-    offs_g = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_g < G
-    heads = (kvh * G + offs_g).to(tl.int64)
-    q_rows = q_ptr + (row * Hq + heads) * Dk    # [BLOCK_H]
-    d1 = tl.arange(0, DK1)
-    q1 = tl.load(q_rows[:, None] + d1[None, :], mask=h_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-    if DK2 > 0:
-        d2 = DK1 + tl.arange(0, DK2)
-        q2 = tl.load(q_rows[:, None] + d2[None, :], mask=h_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-    dv = tl.arange(0, DV)
-    if HAS_QS:
-        pos = tl.load(qs_ptr + b) + s
-    else:
-        pos = T - S + s
+    row, kvh, b, stat, h_ok, q1, q2, pos = _sparse_queries(q_ptr, qs_ptr, S, T, Hq, G, Dk, HAS_QS, BLOCK_H,
+                                                           DK1, DK2)
     k_base = k_ptr + b * sk_b + kvh * sk_h
     v_base = v_ptr + b * sv_b + kvh * sv_h
-
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DV], tl.float32)
     for n0 in range(0, TOPK, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        t = tl.load(idx_ptr + row * TOPK + offs_n, mask=offs_n < TOPK, other=-1)
-        ok = t >= 0
-        if CAUSAL:
-            ok = ok & (t <= pos)
-        t64 = tl.where(ok, t, 0).to(tl.int64)
-        k_rows = k_base + t64 * sk_t            # gathered key rows [BLOCK_N]
-        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-        qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
-        if DK2 > 0:
-            k2 = tl.load(k_rows[:, None] + d2[None, :], mask=ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-            qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
-        qk = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # no -inf - -inf on empty rows
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_FROM_K:
-            vt = k1                             # v = k[..., :Dv]: reuse the gathered tile
-        else:
-            vt = tl.load((v_base + t64 * sv_t)[:, None] + dv[None, :],
-                         mask=ok[:, None] & (dv < Dv)[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(p, vt, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
-        m_i = m_new
-
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    o_rows = (row * Hq + heads) * Dv
-    tl.store(out_ptr + o_rows[:, None] + dv[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=h_ok[:, None] & (dv < Dv)[None, :])
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + row * Hq + heads, lse, mask=h_ok)
+        qk, ok, _, _, _, vt = _sparse_tile(q1, q2, idx_ptr, row, n0, TOPK, pos, k_base, v_base, sk_t, sv_t, Dk,
+                                           Dv, CAUSAL, IEEE, V_FROM_K, BLOCK_N, DK1, DK2, DV)
+        m_i, l_i, acc = _softmax_step(tl.where(ok[None, :], qk * qk_scale, float("-inf")), m_i, l_i, acc, vt, IEEE)
+    _store_out_lse(out_ptr + stat * Dv, lse_ptr + stat, h_ok, acc, m_i, l_i, Dv, DV)
 
 
 @triton.jit
@@ -273,60 +362,25 @@ def _sparse_bwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr,
 ):
     """dk_ptr / dv_ptr: fp32 [B,T,Hkv,Dk|Dv] contiguous, zeroed, added to atomically."""
-    row = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    b = row // S
-    s = row % S
-    offs_g = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = offs_g < G
-    heads = (kvh * G + offs_g).to(tl.int64)
-    q_rows = (row * Hq + heads) * Dk
-    d1 = tl.arange(0, DK1)
-    m1 = h_ok[:, None] & (d1 < Dk)[None, :]
-    q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=m1, other=0.0)
+    row, kvh, b, stat, h_ok, q1, q2, pos = _sparse_queries(q_ptr, qs_ptr, S, T, Hq, G, Dk, HAS_QS, BLOCK_H,
+                                                           DK1, DK2)
     dq1 = tl.zeros([BLOCK_H, DK1], tl.float32)
+    dq2 = dq1                                   # the tail's, replaced when there is one
     if DK2 > 0:
-        d2 = DK1 + tl.arange(0, DK2)
-        m2 = h_ok[:, None] & (d2 < Dk)[None, :]
-        q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=m2, other=0.0)
         dq2 = tl.zeros([BLOCK_H, DK2], tl.float32)
-    dv = tl.arange(0, DV)
-    o_rows = (row * Hq + heads) * Dv
-    mo = h_ok[:, None] & (dv < Dv)[None, :]
-    do = tl.load(do_ptr + o_rows[:, None] + dv[None, :], mask=mo, other=0.0)
-    o = tl.load(o_ptr + o_rows[:, None] + dv[None, :], mask=mo, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    lse = tl.load(lse_ptr + row * Hq + heads, mask=h_ok, other=float("-inf"))
-    # exp2(s - +inf) = 0: rows with no key (lse = -inf) and padded heads get P = 0.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    if HAS_QS:
-        pos = tl.load(qs_ptr + b) + s
-    else:
-        pos = T - S + s
+    do, delta = _dout_delta(do_ptr + stat * Dv, o_ptr + stat * Dv, h_ok, Dv, DV)
+    lse = tl.load(lse_ptr + stat, mask=h_ok, other=float("-inf"))   # padded heads: P = 0
     k_base = k_ptr + b * sk_b + kvh * sk_h
     v_base = v_ptr + b * sv_b + kvh * sv_h
     dk_base = dk_ptr + (b * T * Hkv + kvh) * Dk
     dv_base = dv_ptr + (b * T * Hkv + kvh) * Dv
+    d1 = tl.arange(0, DK1)
+    dv = tl.arange(0, DV)
 
     for n0 in range(0, TOPK, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        t = tl.load(idx_ptr + row * TOPK + offs_n, mask=offs_n < TOPK, other=-1)
-        ok = t >= 0
-        if CAUSAL:
-            ok = ok & (t <= pos)
-        t64 = tl.where(ok, t, 0).to(tl.int64)
-        k_rows = k_base + t64 * sk_t
-        k1 = tl.load(k_rows[:, None] + d1[None, :], mask=ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-        qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
-        if DK2 > 0:
-            k2 = tl.load(k_rows[:, None] + d2[None, :], mask=ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-            qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
-        p = tl.exp2(tl.where(ok[None, :], qk * qk_scale, float("-inf")) - lse2[:, None])   # [H, N] fp32
-        if V_FROM_K:
-            vt = k1
-        else:
-            vt = tl.load((v_base + t64 * sv_t)[:, None] + dv[None, :],
-                         mask=ok[:, None] & (dv < Dv)[None, :], other=0.0)
+        qk, ok, t64, k1, k2, vt = _sparse_tile(q1, q2, idx_ptr, row, n0, TOPK, pos, k_base, v_base, sk_t, sv_t,
+                                               Dk, Dv, CAUSAL, IEEE, V_FROM_K, BLOCK_N, DK1, DK2, DV)
+        p = _probs(qk, ok[None, :], qk_scale, lse)                  # [H, N] fp32
         dkv_ok = ok[:, None]
         dv_part = tl.dot(tl.trans(p), do.to(tl.float32), input_precision="ieee")
         dp = _dot(do, tl.trans(vt), IEEE=IEEE)
@@ -338,14 +392,12 @@ def _sparse_bwd_kernel(
         dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), input_precision="ieee")
         tl.atomic_add(dk_rows[:, None] + d1[None, :], dk1 * scale, mask=dkv_ok & (d1 < Dk)[None, :], sem="relaxed")
         if DK2 > 0:
+            d2 = DK1 + tl.arange(0, DK2)
             dq2 = tl.dot(ds, k2.to(tl.float32), dq2, input_precision="ieee")
             dk2 = tl.dot(tl.trans(ds), q2.to(tl.float32), input_precision="ieee")
             tl.atomic_add(dk_rows[:, None] + d2[None, :], dk2 * scale, mask=dkv_ok & (d2 < Dk)[None, :],
                           sem="relaxed")
-
-    tl.store(dq_ptr + q_rows[:, None] + d1[None, :], (dq1 * scale).to(dq_ptr.dtype.element_ty), mask=m1)
-    if DK2 > 0:
-        tl.store(dq_ptr + q_rows[:, None] + d2[None, :], (dq2 * scale).to(dq_ptr.dtype.element_ty), mask=m2)
+    _store_split(dq_ptr + stat * Dk, h_ok, dq1 * scale, dq2 * scale, Dk, DK1, DK2)
 
 
 def _what(op: str, q, k, v) -> str:
@@ -422,6 +474,47 @@ def sparse_attention_bwd(dout, q, k, v, indices, out, lse, scale, causal, q_star
 # --------------------------------------------------------------------------
 
 @triton.jit
+def _block_queries(q_ptr, qs_ptr, S, T, Hq, BS, MT, Dk, HAS_QS: tl.constexpr, CAUSAL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr):
+    """Program (query tile, head h, batch b) of the forward and dq kernels; query
+    block i = tile // MT holds MT tiles of BLOCK_M queries. Returns (h, b, i,
+    the queries' rows of [B*S*Hq] and mask, q chunks, positions, and the last
+    key position any of them sees: later key tiles are skipped)."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    i = pid // MT
+    s_lo = i * BS + (pid % MT) * BLOCK_M
+    offs_s = s_lo + tl.arange(0, BLOCK_M)
+    s_ok = offs_s < tl.minimum((i + 1) * BS, S)
+    stat = (b * S + offs_s) * Hq + h
+    q1, q2 = _load_split(q_ptr + stat * Dk, s_ok, Dk, DK1, DK2)
+    start = _start(qs_ptr, b, S, T, HAS_QS)
+    if CAUSAL:
+        horizon = start + tl.minimum(s_lo + BLOCK_M, S) - 1
+    else:
+        horizon = T
+    return h, b, i, stat, s_ok, q1, q2, start + offs_s, horizon
+
+
+@triton.jit
+def _block_tile(q1, q2, j, n0, pos, k_base, v_base, sk_t, sv_t, T, BS, Dk, Dv,
+                CAUSAL: tl.constexpr, IEEE: tl.constexpr, V_FROM_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N of key block j against the queries at positions
+    pos: (qk, ok [M, N] with the token-level causal mask, k1, k2, v tile)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_t = j * BS + offs_n
+    t_ok = (offs_n < BS) & (offs_t < T)
+    qk, k1, k2, vt = _qk_tile(q1, q2, k_base + offs_t * sk_t, v_base + offs_t * sv_t, t_ok, Dk, Dv,
+                              IEEE, V_FROM_K, DK1, DK2, DV)
+    ok = t_ok[None, :]
+    if CAUSAL:
+        ok = ok & (offs_t[None, :] <= pos[:, None])
+    return qk, ok, k1, k2, vt
+
+
+@triton.jit
 def _block_fwd_kernel(
     q_ptr, k_ptr, v_ptr, num_ptr, kvi_ptr, qs_ptr, out_ptr, lse_ptr,
     S, T, Hq, G, Qb, W, BS, MT, Dk, Dv,
@@ -430,81 +523,22 @@ def _block_fwd_kernel(
     CAUSAL: tl.constexpr, HAS_QS: tl.constexpr, V_FROM_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DK1: tl.constexpr, DK2: tl.constexpr, DV: tl.constexpr,
 ):
-    """Program (query tile, head h, batch b); query block i = tile // MT holds
-    MT tiles of BLOCK_M queries."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    i = pid // MT
-    s_lo = i * BS + (pid % MT) * BLOCK_M
-    offs_s = s_lo + tl.arange(0, BLOCK_M)
-    s_ok = offs_s < tl.minimum((i + 1) * BS, S)
-    kvh = h // G
-    q_rows = ((b * S + offs_s) * Hq + h) * Dk
-    d1 = tl.arange(0, DK1)
-    q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=s_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-    if DK2 > 0:
-        d2 = DK1 + tl.arange(0, DK2)
-        q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=s_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-    dv = tl.arange(0, DV)
-    if HAS_QS:
-        start = tl.load(qs_ptr + b)
-    else:
-        start = T - S
-    pos = start + offs_s
-    if CAUSAL:   # key tiles after the tile's latest query are skipped
-        horizon = start + tl.minimum(s_lo + BLOCK_M, S) - 1
-    else:
-        horizon = T
-    k_base = k_ptr + b * sk_b + kvh * sk_h
-    v_base = v_ptr + b * sv_b + kvh * sv_h
+    h, b, i, stat, s_ok, q1, q2, pos, horizon = _block_queries(q_ptr, qs_ptr, S, T, Hq, BS, MT, Dk, HAS_QS, CAUSAL,
+                                                               BLOCK_M, DK1, DK2)
+    k_base = k_ptr + b * sk_b + (h // G) * sk_h
+    v_base = v_ptr + b * sv_b + (h // G) * sv_h
     row = (b * Hq + h) * Qb + i
-    nblk = tl.load(num_ptr + row)
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
-    for jj in range(0, nblk):
+    for jj in range(0, tl.load(num_ptr + row)):
         j = tl.load(kvi_ptr + row * W + jj).to(tl.int64)
         for n0 in range(0, BS, BLOCK_N):
-            t_lo = j * BS + n0
-            if t_lo <= horizon:
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                offs_t = j * BS + offs_n
-                t_ok = (offs_n < BS) & (offs_t < T)
-                k_rows = k_base + offs_t * sk_t
-                k1 = tl.load(k_rows[:, None] + d1[None, :], mask=t_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-                qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
-                if DK2 > 0:
-                    k2 = tl.load(k_rows[:, None] + d2[None, :], mask=t_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-                    qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
-                ok = t_ok[None, :]
-                if CAUSAL:
-                    ok = ok & (offs_t[None, :] <= pos[:, None])
-                qk = tl.where(ok, qk * qk_scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(qk - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if V_FROM_K:
-                    vt = k1
-                else:
-                    vt = tl.load((v_base + offs_t * sv_t)[:, None] + dv[None, :],
-                                 mask=t_ok[:, None] & (dv < Dv)[None, :], other=0.0)
-                if IEEE:
-                    acc = tl.dot(p, vt, acc * alpha[:, None], input_precision="ieee")
-                else:
-                    acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
-                m_i = m_new
-
-    nonempty = l_i > 0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    o_rows = ((b * S + offs_s) * Hq + h) * Dv
-    tl.store(out_ptr + o_rows[:, None] + dv[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=s_ok[:, None] & (dv < Dv)[None, :])
-    lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + (b * S + offs_s) * Hq + h, lse, mask=s_ok)
+            if j * BS + n0 <= horizon:
+                qk, ok, _, _, vt = _block_tile(q1, q2, j, n0, pos, k_base, v_base, sk_t, sv_t, T, BS, Dk, Dv,
+                                               CAUSAL, IEEE, V_FROM_K, BLOCK_N, DK1, DK2, DV)
+                m_i, l_i, acc = _softmax_step(tl.where(ok, qk * qk_scale, float("-inf")), m_i, l_i, acc, vt, IEEE)
+    _store_out_lse(out_ptr + stat * Dv, lse_ptr + stat, s_ok, acc, m_i, l_i, Dv, DV)
 
 
 @triton.jit
@@ -518,78 +552,30 @@ def _block_dq_kernel(
 ):
     """dq for the queries of _block_fwd_kernel's program; also stores delta =
     rowsum(dO * O) (fp32 [B,S,Hq]) for _block_dkdv_kernel."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    i = pid // MT
-    s_lo = i * BS + (pid % MT) * BLOCK_M
-    offs_s = s_lo + tl.arange(0, BLOCK_M)
-    s_ok = offs_s < tl.minimum((i + 1) * BS, S)
-    kvh = h // G
-    q_rows = ((b * S + offs_s) * Hq + h) * Dk
-    d1 = tl.arange(0, DK1)
-    m1 = s_ok[:, None] & (d1 < Dk)[None, :]
-    q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=m1, other=0.0)
+    h, b, i, stat, s_ok, q1, q2, pos, horizon = _block_queries(q_ptr, qs_ptr, S, T, Hq, BS, MT, Dk, HAS_QS, CAUSAL,
+                                                               BLOCK_M, DK1, DK2)
     dq1 = tl.zeros([BLOCK_M, DK1], tl.float32)
+    dq2 = dq1                                   # the tail's, replaced when there is one
     if DK2 > 0:
-        d2 = DK1 + tl.arange(0, DK2)
-        m2 = s_ok[:, None] & (d2 < Dk)[None, :]
-        q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=m2, other=0.0)
         dq2 = tl.zeros([BLOCK_M, DK2], tl.float32)
-    dv = tl.arange(0, DV)
-    stat = (b * S + offs_s) * Hq + h
-    o_rows = stat * Dv
-    mo = s_ok[:, None] & (dv < Dv)[None, :]
-    do = tl.load(do_ptr + o_rows[:, None] + dv[None, :], mask=mo, other=0.0)
-    o = tl.load(o_ptr + o_rows[:, None] + dv[None, :], mask=mo, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    do, delta = _dout_delta(do_ptr + stat * Dv, o_ptr + stat * Dv, s_ok, Dv, DV)
     tl.store(delta_ptr + stat, delta, mask=s_ok)
     lse = tl.load(lse_ptr + stat, mask=s_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    if HAS_QS:
-        start = tl.load(qs_ptr + b)
-    else:
-        start = T - S
-    pos = start + offs_s
-    if CAUSAL:   # key tiles after the tile's latest query are skipped
-        horizon = start + tl.minimum(s_lo + BLOCK_M, S) - 1
-    else:
-        horizon = T
-    k_base = k_ptr + b * sk_b + kvh * sk_h
-    v_base = v_ptr + b * sv_b + kvh * sv_h
+    k_base = k_ptr + b * sk_b + (h // G) * sk_h
+    v_base = v_ptr + b * sv_b + (h // G) * sv_h
     row = (b * Hq + h) * Qb + i
-    nblk = tl.load(num_ptr + row)
-    for jj in range(0, nblk):
+    for jj in range(0, tl.load(num_ptr + row)):
         j = tl.load(kvi_ptr + row * W + jj).to(tl.int64)
         for n0 in range(0, BS, BLOCK_N):
-            t_lo = j * BS + n0
-            if t_lo <= horizon:
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                offs_t = j * BS + offs_n
-                t_ok = (offs_n < BS) & (offs_t < T)
-                k_rows = k_base + offs_t * sk_t
-                k1 = tl.load(k_rows[:, None] + d1[None, :], mask=t_ok[:, None] & (d1 < Dk)[None, :], other=0.0)
-                qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
-                if DK2 > 0:
-                    k2 = tl.load(k_rows[:, None] + d2[None, :], mask=t_ok[:, None] & (d2 < Dk)[None, :], other=0.0)
-                    qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
-                ok = t_ok[None, :]
-                if CAUSAL:
-                    ok = ok & (offs_t[None, :] <= pos[:, None])
-                p = tl.exp2(tl.where(ok, qk * qk_scale, float("-inf")) - lse2[:, None])
-                if V_FROM_K:
-                    vt = k1
-                else:
-                    vt = tl.load((v_base + offs_t * sv_t)[:, None] + dv[None, :],
-                                 mask=t_ok[:, None] & (dv < Dv)[None, :], other=0.0)
-                dp = _dot(do, tl.trans(vt), IEEE=IEEE)
-                ds = p * (dp - delta[:, None])
+            if j * BS + n0 <= horizon:
+                qk, ok, k1, k2, vt = _block_tile(q1, q2, j, n0, pos, k_base, v_base, sk_t, sv_t, T, BS, Dk, Dv,
+                                                 CAUSAL, IEEE, V_FROM_K, BLOCK_N, DK1, DK2, DV)
+                p = _probs(qk, ok, qk_scale, lse)
+                ds = p * (_dot(do, tl.trans(vt), IEEE=IEEE) - delta[:, None])
                 dq1 = tl.dot(ds, k1.to(tl.float32), dq1, input_precision="ieee")
                 if DK2 > 0:
                     dq2 = tl.dot(ds, k2.to(tl.float32), dq2, input_precision="ieee")
-    tl.store(dq_ptr + q_rows[:, None] + d1[None, :], (dq1 * scale).to(dq_ptr.dtype.element_ty), mask=m1)
-    if DK2 > 0:
-        tl.store(dq_ptr + q_rows[:, None] + d2[None, :], (dq2 * scale).to(dq_ptr.dtype.element_ty), mask=m2)
+    _store_split(dq_ptr + stat * Dk, s_ok, dq1 * scale, dq2 * scale, Dk, DK1, DK2)
 
 
 @triton.jit
@@ -612,28 +598,17 @@ def _block_dkdv_kernel(
     t_lo = j * BS + (pid % NT) * BLOCK_N
     offs_t = t_lo + tl.arange(0, BLOCK_N)
     t_ok = offs_t < tl.minimum((j + 1) * BS, T)
-    k_rows = k_ptr + b * sk_b + kvh * sk_h + offs_t.to(tl.int64) * sk_t
-    d1 = tl.arange(0, DK1)
-    mk1 = t_ok[:, None] & (d1 < Dk)[None, :]
-    k1 = tl.load(k_rows[:, None] + d1[None, :], mask=mk1, other=0.0)
+    k1, k2 = _load_split(k_ptr + b * sk_b + kvh * sk_h + offs_t.to(tl.int64) * sk_t, t_ok, Dk, DK1, DK2)
     dk1 = tl.zeros([BLOCK_N, DK1], tl.float32)
+    dk2 = dk1                                   # the tail's, replaced when there is one
     if DK2 > 0:
-        d2 = DK1 + tl.arange(0, DK2)
-        mk2 = t_ok[:, None] & (d2 < Dk)[None, :]
-        k2 = tl.load(k_rows[:, None] + d2[None, :], mask=mk2, other=0.0)
         dk2 = tl.zeros([BLOCK_N, DK2], tl.float32)
-    dv = tl.arange(0, DV)
-    mv = t_ok[:, None] & (dv < Dv)[None, :]
     if V_FROM_K:
         vt = k1
     else:
-        vt = tl.load((v_ptr + b * sv_b + kvh * sv_h + offs_t.to(tl.int64) * sv_t)[:, None] + dv[None, :],
-                     mask=mv, other=0.0)
+        vt, _ = _load_split(v_ptr + b * sv_b + kvh * sv_h + offs_t.to(tl.int64) * sv_t, t_ok, Dv, DV, 0)
     dv_acc = tl.zeros([BLOCK_N, DV], tl.float32)
-    if HAS_QS:
-        start = tl.load(qs_ptr + b)
-    else:
-        start = T - S
+    start = _start(qs_ptr, b, S, T, HAS_QS)
     row = (b * Hkv + kvh) * Kb + j
     nq = tl.load(qnum_ptr + row)
     for ee in range(0, nq):
@@ -651,38 +626,24 @@ def _block_dkdv_kernel(
                 offs_s = i * BS + offs_m
                 s_ok = (offs_m < BS) & (offs_s < S)
                 stat = (b * S + offs_s) * Hq + h
-                q_rows = stat * Dk
-                q1 = tl.load(q_ptr + q_rows[:, None] + d1[None, :], mask=s_ok[:, None] & (d1 < Dk)[None, :],
-                             other=0.0)
+                q1, q2 = _load_split(q_ptr + stat * Dk, s_ok, Dk, DK1, DK2)
                 qk = _dot(q1, tl.trans(k1), IEEE=IEEE)
                 if DK2 > 0:
-                    q2 = tl.load(q_ptr + q_rows[:, None] + d2[None, :], mask=s_ok[:, None] & (d2 < Dk)[None, :],
-                                 other=0.0)
                     qk = _dot(q2, tl.trans(k2), qk, IEEE=IEEE)
                 ok = t_ok[None, :] & s_ok[:, None]
                 if CAUSAL:
                     ok = ok & (offs_t[None, :] <= (start + offs_s)[:, None])
-                lse = tl.load(lse_ptr + stat, mask=s_ok, other=float("-inf"))
-                lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                p = _probs(qk, ok, qk_scale, tl.load(lse_ptr + stat, mask=s_ok, other=float("-inf")))   # [M, N]
                 delta = tl.load(delta_ptr + stat, mask=s_ok, other=0.0)
-                p = tl.exp2(tl.where(ok, qk * qk_scale, float("-inf")) - lse2[:, None])   # [M, N]
-                do = tl.load(do_ptr + (stat * Dv)[:, None] + dv[None, :], mask=s_ok[:, None] & (dv < Dv)[None, :],
-                             other=0.0)
+                do, _ = _load_split(do_ptr + stat * Dv, s_ok, Dv, DV, 0)
                 dv_acc = tl.dot(tl.trans(p), do.to(tl.float32), dv_acc, input_precision="ieee")
-                dp = _dot(do, tl.trans(vt), IEEE=IEEE)
-                ds = p * (dp - delta[:, None])
+                ds = p * (_dot(do, tl.trans(vt), IEEE=IEEE) - delta[:, None])
                 dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), dk1, input_precision="ieee")
                 if DK2 > 0:
-                    if IEEE:
-                        dk2 = tl.dot(tl.trans(ds), q2, dk2, input_precision="ieee")
-                    else:
-                        dk2 = tl.dot(tl.trans(ds), q2.to(tl.float32), dk2, input_precision="ieee")
-    out_rows = ((b * T + offs_t) * Hkv + kvh)
-    tl.store(dk_ptr + (out_rows * Dk)[:, None] + d1[None, :], (dk1 * scale).to(dk_ptr.dtype.element_ty), mask=mk1)
-    if DK2 > 0:
-        tl.store(dk_ptr + (out_rows * Dk)[:, None] + d2[None, :], (dk2 * scale).to(dk_ptr.dtype.element_ty),
-                 mask=mk2)
-    tl.store(dv_ptr + (out_rows * Dv)[:, None] + dv[None, :], dv_acc.to(dv_ptr.dtype.element_ty), mask=mv)
+                    dk2 = tl.dot(tl.trans(ds), q2.to(tl.float32), dk2, input_precision="ieee")
+    out_rows = (b * T + offs_t) * Hkv + kvh
+    _store_split(dk_ptr + out_rows * Dk, t_ok, dk1 * scale, dk2 * scale, Dk, DK1, DK2)
+    _store_split(dv_ptr + out_rows * Dv, t_ok, dv_acc, dv_acc, Dv, DV, 0)
 
 
 def _block_cfg(q, k, v, bs: int, kind: str) -> dict:

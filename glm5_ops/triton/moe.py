@@ -1,6 +1,7 @@
 """Triton kernels for the Mixture-of-Experts layer (router, grouped SwiGLU experts).
 
-Called by glm5_ops/moe.py with validated, contiguous inputs:
+Called by glm5_ops/moe.py with validated, contiguous inputs, as the kernels
+of the glm5_triton:: ops:
 
   moe_route(h[T,D], gate_w[E,D], bias[E], top_k, n_group, topk_group,
             routed_scaling_factor, norm_topk_prob)         -> (weights fp32[T,k], ids int32[T,k])

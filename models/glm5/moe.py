@@ -44,9 +44,7 @@ class MoE(nn.Module):
             weights, ids = glm5_ops.moe_route(
                 h.float(), self.gate.weight.float(), self.gate.e_score_correction_bias, top_k=c.num_experts_per_tok,
                 n_group=c.n_group, topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
-                norm_topk_prob=c.norm_topk_prob)
-            if torch.is_grad_enabled() and self.gate.weight.requires_grad:
-                weights = self._differentiable_weights(h, ids)
+                norm_topk_prob=c.norm_topk_prob)      # differentiable in h and gate.weight (the op's backward)
         ctx.record_routing(i, ids)
         weights = weights.to(x.dtype)
         if ctx.fused:
@@ -57,15 +55,6 @@ class MoE(nn.Module):
         with nvtx_range(f"layer{i}/moe/shared"):
             out = routed + self.shared_experts(h)
         return out.view_as(x)
-
-    def _differentiable_weights(self, h, ids):
-        """The router's mixing weights as a function of gate.weight (moe_route
-        returns them without a graph): the same formula, gathered at ids."""
-        c = self.config
-        w = torch.sigmoid(F.linear(h.float(), self.gate.weight.float())).gather(1, ids.long())
-        if c.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * c.routed_scaling_factor
 
     def _unfused(self, h, weights, ids):
         i, E = self.layer_idx, self.config.n_routed_experts
