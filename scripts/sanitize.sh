@@ -25,11 +25,15 @@ built=$(date +%s)
 echo "[sanitize] built in $((built - start)) s: $(ls "$OUT"/pkg/glm5_ops/_C*.so)"
 
 LIBASAN=$(gcc -print-file-name=libasan.so)
+LIBSTDCXX=$(gcc -print-file-name=libstdc++.so.6)
 [ -f "$LIBASAN" ] || { echo "[sanitize] libasan not found ($LIBASAN)" >&2; exit 1; }
 # Run from the package copy so that it, not the checkout's glm5_ops, is imported first.
 cd "$OUT/pkg"
 export PYTHONPATH="$OUT/pkg:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export LD_PRELOAD="$LIBASAN"
+# libstdc++ too: ASan intercepts __cxa_throw, and must find the real one when it
+# starts, before python loads libstdc++ (else every C++ exception, each
+# TORCH_CHECK, aborts with "CHECK failed: ... real___cxa_throw").
+export LD_PRELOAD="$LIBASAN:$LIBSTDCXX"
 # detect_leaks=0: python and torch are not instrumented and "leak" by design;
 # allocator_may_return_null + max_allocation_size_mb: a huge request is a clean
 # allocation error (the workers' address-space cap cannot apply under ASan).

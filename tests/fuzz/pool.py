@@ -22,6 +22,7 @@ from . import worker
 # sets it: ASan runs kernels a few times slower). Triton's interpreter and the
 # model's generate loops are slower by nature.
 BASE_TIMEOUT, SLOW_TIMEOUT = 10.0, 60.0
+STARTUP_TIMEOUT = 300.0      # a worker's own start (imports, the forkserver's first fork)
 
 
 def time_bound(case: dict) -> float:
@@ -42,13 +43,17 @@ def _describe_exit(code) -> str:
 
 
 class _Worker:
+    """One worker process. It says "ready" once set up; a case's time bound
+    starts only then, so a slow start on a loaded machine is not a hang."""
+
     def __init__(self, ctx, threads: int):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=worker.main, args=(child, threads), daemon=True)
         self.proc.start()
         child.close()
+        self.ready = False
         self.case = self.index = None
-        self.deadline = 0.0
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT
 
     def send(self, index: int, case: dict):
         self.index, self.case = index, case
@@ -62,6 +67,28 @@ class _Worker:
         self.conn.close()
 
 
+def _outcome(w: _Worker, ready: list):
+    """The finished case's outcome, "started" for a worker that became ready,
+    "failed start" for one that died or stalled starting, or None (still busy)."""
+    if w.conn in ready:
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            w.proc.join(5)
+            if not w.ready:
+                return "failed start"
+            return {"status": "crash", "message": _describe_exit(w.proc.exitcode)}
+        if not w.ready:
+            w.ready = True
+            return "started"
+        return msg
+    if time.monotonic() > w.deadline:
+        if not w.ready:
+            return "failed start"
+        return {"status": "hang", "message": f"no result within {time_bound(w.case):.0f} s"}
+    return None
+
+
 def run_cases(cases: list, *, workers: int = 2, threads: int = 1, progress=None) -> list:
     """Outcome dicts, one per case and in order (targets.run_case's, or
     {"status": "crash"|"hang", "message": ...})."""
@@ -70,29 +97,27 @@ def run_cases(cases: list, *, workers: int = 2, threads: int = 1, progress=None)
     pool = [_Worker(ctx, threads) for _ in range(max(1, min(workers, len(cases))))]
     results: list = [None] * len(cases)
     todo = iter(enumerate(cases))
-    idle, done = list(pool), 0
+    done = failed_starts = 0
     try:
         while done < len(cases):
-            for w in list(idle):
-                nxt = next(todo, None)
-                if nxt is None:
-                    break
-                w.send(*nxt)
-                idle.remove(w)
-            busy = [w for w in pool if w.case is not None]
-            timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-            ready = wait([w.conn for w in busy], timeout)
-            for w in list(busy):
-                outcome = None
-                if w.conn in ready:
-                    try:
-                        outcome = w.conn.recv()
-                    except (EOFError, OSError):
-                        w.proc.join(5)
-                        outcome = {"status": "crash", "message": _describe_exit(w.proc.exitcode)}
-                elif time.monotonic() > w.deadline:
-                    outcome = {"status": "hang", "message": f"no result within {time_bound(w.case):.0f} s"}
-                if outcome is None:
+            for w in pool:
+                if w.ready and w.case is None:
+                    nxt = next(todo, None)
+                    if nxt is not None:
+                        w.send(*nxt)
+            waiting = [w for w in pool if w.case is not None or not w.ready]
+            timeout = max(0.0, min(w.deadline for w in waiting) - time.monotonic())
+            ready = wait([w.conn for w in waiting], timeout)
+            for i, w in enumerate(pool):
+                outcome = _outcome(w, ready) if w in waiting else None
+                if outcome is None or outcome == "started":
+                    continue
+                if outcome == "failed start":
+                    failed_starts += 1
+                    if failed_starts > 10 + len(cases) // 100:
+                        raise RuntimeError(f"fuzz workers keep failing to start ({failed_starts} times)")
+                    w.stop()
+                    pool[i] = _Worker(ctx, threads)
                     continue
                 results[w.index] = outcome
                 done += 1
@@ -100,11 +125,10 @@ def run_cases(cases: list, *, workers: int = 2, threads: int = 1, progress=None)
                     progress(done, w.case, outcome)
                 if outcome["status"] in ("crash", "hang"):
                     w.stop()
-                    pool[pool.index(w)] = w = _Worker(ctx, threads)
-                w.case = None
-                idle.append(w)
+                    pool[i] = _Worker(ctx, threads)
+                else:
+                    w.case = None
     finally:
         for w in pool:
             w.stop()
     return results
-

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-DTYPES = {name: getattr(torch, name) for name in
-          ("float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "bool")}
+# Names only: the case generator runs without torch (it is imported by the workers).
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "bool")
 
 
 def tensor(shape, dtype="float32", fill="randn", layout="contig") -> dict:
@@ -27,7 +25,8 @@ def tensor(shape, dtype="float32", fill="randn", layout="contig") -> dict:
     return {"tensor": {"shape": list(shape), "dtype": dtype, "fill": fill, "layout": layout}}
 
 
-def _values(shape, dtype: torch.dtype, fill: str, g: torch.Generator) -> torch.Tensor:
+def _values(shape, dtype, fill: str, g):
+    import torch
     n = math.prod(shape)
     if fill.startswith("randint:"):
         lo, hi = (int(v) for v in fill.split(":")[1:])
@@ -55,8 +54,9 @@ def _values(shape, dtype: torch.dtype, fill: str, g: torch.Generator) -> torch.T
     return x.to(dtype)
 
 
-def make_tensor(spec: dict, g: torch.Generator, device) -> torch.Tensor:
-    shape, dtype, layout = list(spec["shape"]), DTYPES[spec["dtype"]], spec.get("layout", "contig")
+def make_tensor(spec: dict, g, device):
+    import torch
+    shape, dtype, layout = list(spec["shape"]), getattr(torch, spec["dtype"]), spec.get("layout", "contig")
     x = _values(shape, dtype, spec.get("fill", "randn"), g)
     if layout == "noncontig" and shape:
         wide = torch.zeros(shape[:-1] + [2 * shape[-1]], dtype=dtype)
@@ -71,7 +71,7 @@ def make_tensor(spec: dict, g: torch.Generator, device) -> torch.Tensor:
     return x
 
 
-def build(value, g: torch.Generator, device):
+def build(value, g, device):
     """A Python argument from its JSON spec (tensors drawn from g, on device)."""
     if isinstance(value, dict):
         (kind, body), = value.items()
@@ -84,13 +84,15 @@ def build(value, g: torch.Generator, device):
         if kind == "list":
             return [build(v, g, device) for v in body]
         if kind == "dtype":
-            return DTYPES[body]
+            import torch
+            return getattr(torch, body)
         raise ValueError(f"unknown argument spec {kind!r}")
     return value
 
 
 def build_call(case: dict, device="cpu"):
     """(args, kwargs) of a case, the same every time for the same case."""
+    import torch
     g = torch.Generator().manual_seed(int(case.get("seed", 0)))
     args = [build(v, g, device) for v in case.get("args", [])]
     kwargs = {k: build(v, g, device) for k, v in case.get("kwargs", {}).items()}

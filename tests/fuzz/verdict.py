@@ -106,6 +106,8 @@ class Report:
             if kind not in ("crash", "hang", "invalid") and problem is None:
                 continue
             what = kind if kind in ("crash", "hang", "invalid") else f"message: {problem}"
+            if problem is not None and kind not in ("crash", "hang", "invalid"):
+                outcome = dict(outcome, problem=problem)
             text = re.sub(r"-?\d+", "N", f"{outcome.get('type', '')}: {outcome.get('message', '')}")[:160]
             key = (what, text, case.get("perturbed"), case.get("mutation"))
             groups[case["target"]].setdefault(key, (case, outcome, []))[2].append(1)
@@ -113,7 +115,7 @@ class Report:
         for target in sorted(groups):
             lines.append(f"### {target}")
             for (what, _, arg, mutation), (case, outcome, hits) in groups[target].items():
-                tag = "known" if known.match(what.split(":")[0], case, outcome) else "new"
+                tag = "known" if known.match(what.split(":")[0], case, outcome) else "NEW"
                 msg = outcome.get("message", "").splitlines()[0][:200] if outcome.get("message") else ""
                 lines.append(f"- [{tag}] {what} ({len(hits)} cases; perturbed {arg}/{mutation}): "
                              f"{outcome.get('type', '')} {msg} @ {outcome.get('where', '')}")

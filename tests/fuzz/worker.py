@@ -32,6 +32,7 @@ def limit_memory(gib: float) -> None:
 def main(conn, threads: int) -> None:
     targets.torch.set_num_threads(threads)
     limit_memory(MEMORY_GIB)
+    conn.send("ready")
     while True:
         try:
             case = conn.recv()
