@@ -170,8 +170,10 @@ def cases(draw, targets=None):
         for a in args:
             _dense(a)
         perturbed, mutation = mutate(draw, args)
-        if mutation in ("size", "dtype_float", "rank"):   # a mismatch may be reported by its partner's name
-            extra["or_names"] = [a.name for a in args if a.name != perturbed]
+        # a mismatch may be reported by its partner's name; so may a size-defining int
+        if mutation in ("size", "dtype_float", "rank") or perturbed in ("block_size", "group_size", "num_experts"):
+            names = [a.name for a in args] + [p.name for a in args for p in a.extra.get("parts", ())]
+            extra["or_names"] = [n for n in names if n != perturbed]
     return {**extra, "target": target, "backend": backend, "seed": draw(st.integers(0, 2**31 - 1)),
             "args": [a.value for a in args if not a.kw], "kwargs": {a.name: a.value for a in args if a.kw},
             "perturbed": perturbed, "mutation": mutation}

@@ -65,31 +65,33 @@ KNOWN: list[Known] = [
           "RuntimeError 'k and v must have unit stride'"),
     Known("message", r"glm5_ops\.moe_combine", says("cannot reshape tensor of 0 elements", "RuntimeError"),
           "moe_combine (reference) with k = 0 slots: RuntimeError from a reshape in reference.py"),
-    Known("message", r"glm5_ops\.fused_moe\.backward", says("does not require grad", "RuntimeError"),
-          "fused_moe (reference) with T = 0 returns an output that is not differentiable"),
-    Known("message", r"glm5_ops\.moe_dispatch", says("bad_alloc", "MemoryError"),
-          "moe_dispatch with a huge num_experts allocates offsets [num_experts+1] unchecked: MemoryError std::bad_alloc"),
+    Known("message", r"glm5_ops\..*|model\..*", says("bad_alloc|enforce fail at alloc_cpu|can't allocate memory"),
+          "unbounded allocations from one huge int: moe_dispatch num_experts (offsets [E+1]), block_sparse_attention "
+          "block_size (the mask expanded), model max_tokens / page_size (the cache): MemoryError / allocator "
+          "RuntimeError instead of a check"),
+    Known("hang", r"torch\.ops\.glm5\.moe_dispatch", lambda c, o: isinstance(c["args"][3], int) and c["args"][3] >= 2**30,
+          "raw moe_dispatch does not bound align: align near 2^31 allocates and zero-fills ~E*align rows (> 10 s)"),
+    Known("message", r"glm5_ops\.block_sparse_attention(\.backward)?", says(r"^kv_indices: the first kv_num_blocks"),
+          "block_sparse_attention: 'kv_indices: the first kv_num_blocks entries ... must be in [0, Kb)' has no 'got'"),
+    Known("message", r"glm5_ops\.(block_topk_mask|(block_)?sparse_attention(\.backward)?)",
+          says(r"^the kv heads of k \(Hkv=\d+\) must divide"),
+          "attention: 'the kv heads of k (Hkv=..) must divide the query heads of q' has no 'got'"),
     # --- messages missing the argument, the expectation or the given value ---
-    Known("message", r"glm5_ops\.quantize_groupwise", perturbed("group_size", "must divide the last dimension"),
-          "quantize_groupwise: 'group_size=N must divide the last dimension of x' has no 'got'"),
-    Known("message", r"glm5_ops\.topk_indices", perturbed("scores", r"^k must be in"),
-          "topk_indices: a scores rank change reported as k out of range (names k, not scores)"),
-    # --- the model's entry points ---
-    Known("message", r"model\..*", says("enforce fail at alloc_cpu|can't allocate memory"),
-          "model.new_cache / generate: a huge max_tokens or page_size reaches torch.empty (allocation RuntimeError)"),
-    Known("message", r"model\..*", perturbed("max_tokens", "not supported between|failed to unpack|cache full"),
-          "model: max_tokens / the cache are not type-checked ('<' not supported, empty() unpack) and 'cache full' "
-          "says neither must nor got"),
-    Known("message", r"model\..*", perturbed("page_size", "not supported between|failed to unpack"),
-          "PagedCache: page_size is not type-checked"),
-    Known("message", r"model\..*", perturbed("chunk", "not supported between"),
-          "model.prefill: chunk is not type-checked"),
-    Known("message", r"model\.speculative_generate|model\.generate", perturbed("prefill_chunk", r"^chunk must"),
-          "generate / speculative_generate: a bad prefill_chunk is reported as 'chunk'"),
-    Known("message", r"model\..*", perturbed("input_ids", "too many values to unpack|has no attribute 'shape'"),
-          "model: input_ids of the wrong rank or type fail before _check_ids (unpack / AttributeError)"),
-    Known("message", r"model\.generate", perturbed("max_new_tokens", "exceeds max_position_embeddings"),
-          "generate: 'prompt + max_new_tokens exceeds max_position_embeddings' says neither must nor got"),
+    Known("message", r"glm5_ops\.(quantize_groupwise|dequantize)", says("must divide the last dimension"),
+          "quantize_groupwise / dequantize: 'group_size=N must divide the last dimension of x/shape' has no 'got'"),
+    Known("message", r"glm5_ops\.dequantize", perturbed("shape", "invalid literal for int"),
+          "dequantize: shape=['x'] gives int()'s 'invalid literal' ValueError, not naming shape"),
+    Known("message", r"model\..*", says("^cache full"),
+          "PagedCache: 'cache full: N + S tokens exceed max_tokens=M' says neither must nor got"),
+    Known("message", r"model\..*", lambda c, o: c.get("perturbed") in ("max_tokens", "page_size", "batch", "chunk",
+                                                                          "top_k", "logits_to_keep")
+          and re.search("not supported between|failed to unpack|slice indices must be", o.get("message", "")),
+          "model: max_tokens, page_size, batch (new_cache), chunk (prefill), top_k (generate) and logits_to_keep "
+          "(forward) are not type-checked: a str/float/None fails deep inside ('<' not supported, empty() unpack, "
+          "slice indices)"),
+    Known("message", r"model\..*", lambda c, o: c.get("perturbed") in ("input_ids", "prompt")
+          and re.search("too many values to unpack|has no attribute 'shape'", o.get("message", "")),
+          "model: input_ids (or the prompt) of the wrong rank or type fail before _check_ids (unpack / AttributeError)"),
 ]
 
 

@@ -91,7 +91,7 @@ class Report:
                  f"unclear errors {c['unclear']}", f"invalid {c['invalid']}"]
         for kind in ("crash", "hang"):
             new = len(self.failures(kind))
-            parts.append(f"{kind}es {new}" + (f" (+{c[kind] - new} known)" if c[kind] - new else ""))
+            parts.append(f"{kind}{'es' if kind == 'crash' else 's'} {new}" + (f" (+{c[kind] - new} known)" if c[kind] - new else ""))
         if c["skipped"]:
             parts.append(f"skipped {c['skipped']} (known hangs)")
         return f"fuzz seed {self.seed}: {len(self.cases)} cases in {self.seconds:.0f} s: " + ", ".join(parts)
