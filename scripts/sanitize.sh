@@ -36,8 +36,10 @@ export PYTHONPATH="$OUT/pkg:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export LD_PRELOAD="$LIBASAN:$LIBSTDCXX"
 # detect_leaks=0: python and torch are not instrumented and "leak" by design;
 # allocator_may_return_null + max_allocation_size_mb: a huge request is a clean
-# allocation error (the workers' address-space cap cannot apply under ASan).
-export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:max_allocation_size_mb=16384:halt_on_error=1:abort_on_error=1
+# allocation error (the workers' address-space cap cannot apply under ASan);
+# 2 GiB, far above any fuzz tensor: a bigger cap lets a huge block_size or
+# max_tokens allocate and poison gigabytes, which under ASan takes minutes.
+export ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:max_allocation_size_mb=2048:halt_on_error=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export GLM5_FUZZ_TIME_SCALE=${GLM5_FUZZ_TIME_SCALE:-4}
 python - <<'PY'
