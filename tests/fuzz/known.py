@@ -21,6 +21,7 @@ class Known:
     target: str
     when: Callable[[dict, dict], bool]
     note: str
+    sanitizer_only: bool = False   # seen only under scripts/sanitize.sh (ASan/UBSan reports)
 
 
 def shape(case: dict, i: int) -> list:
@@ -32,6 +33,12 @@ def shape(case: dict, i: int) -> list:
 def zero_dim(i: int, *dims):
     """Predicate: positional tensor i has a 0 in one of `dims`."""
     return lambda case, outcome: any(len(shape(case, i)) > d and shape(case, i)[d] == 0 for d in dims)
+
+
+def _mask_block_size(case: dict) -> int:
+    mask = case["args"][3] if len(case["args"]) > 3 else None
+    size = mask["tuple"][2] if isinstance(mask, dict) and "tuple" in mask else 0
+    return size if isinstance(size, int) else 0
 
 
 def says(pattern: str, kind: str | None = None):
@@ -65,6 +72,13 @@ KNOWN: list[Known] = [
           "RuntimeError 'k and v must have unit stride'"),
     Known("message", r"glm5_ops\.moe_combine", says("cannot reshape tensor of 0 elements", "RuntimeError"),
           "moe_combine (reference) with k = 0 slots: RuntimeError from a reshape in reference.py"),
+    Known("crash", r"glm5_ops\.moe_dispatch|torch\.ops\.glm5\.moe_dispatch", zero_dim(0, 1),
+          "UBSan: moe_dispatch with D = 0 passes a null pointer to memcpy/memset (csrc/cpu/moe.cpp:272)",
+          sanitizer_only=True),
+    Known("crash", r"glm5_ops\.block_sparse_attention(\.backward)?", lambda c, o: _mask_block_size(c) >= 2**30,
+          "ASan: block_sparse_attention with block_size near 2^31 or 2^63 asks operator new for more than the "
+          "sanitizer's cap (out-of-memory report; the normal build raises MemoryError, listed below)",
+          sanitizer_only=True),
     Known("message", r"glm5_ops\..*|model\..*", says("bad_alloc|enforce fail at alloc_cpu|can't allocate memory"),
           "unbounded allocations from one huge int: moe_dispatch num_experts (offsets [E+1]), block_sparse_attention "
           "block_size (the mask expanded), model max_tokens / page_size (the cache): MemoryError / allocator "
