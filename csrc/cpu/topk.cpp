@@ -18,6 +18,13 @@ at::Tensor topk_indices(const at::Tensor& scores, int64_t k, bool sorted) {
   const at::Tensor s = scores.contiguous();
   const int64_t rows = s.numel() / std::max<int64_t>(T, 1);
   if (rows == 0) return out;
+#ifdef GLM5_PLANT_OOB
+  // Test-only (GLM5_PLANT_OOB=1, never in a real build): reads one byte past the
+  // end of scores, which a normal run does not notice. scripts/sanitize.sh must
+  // catch it; docs/FUZZING.md shows the report.
+  volatile const char glm5_planted = static_cast<const char*>(s.const_data_ptr())[s.nbytes()];
+  (void)glm5_planted;
+#endif
   int32_t* out_ptr = out.data_ptr<int32_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "glm5_topk_indices", [&] {
     const scalar_t* src = s.const_data_ptr<scalar_t>();
