@@ -135,7 +135,8 @@ def why_stale() -> str | None:
 def main(argv: list[str]) -> int:
     command, args = (argv[0], argv[1:]) if argv else ("", [])
     if command == "missing":
-        print("\n".join(missing(requirements(args))))
+        for req in missing(requirements(args)):
+            print(req)
         return 0
     if command == "fresh":
         reason = why_stale()
