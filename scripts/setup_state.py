@@ -9,7 +9,7 @@ without importing torch, so a rerun with nothing changed takes seconds:
 
 The stamp (glm5_ops/_C.stamp.json, beside the extension) holds a hash of every
 input of the build (csrc/**, setup.py, pyproject.toml, the torch version, the
-interpreter, the GLM5_* / CUDA build variables) and a hash of the extension
+Python environment and its version, the GLM5_* / CUDA build variables) and a hash of the extension
 itself, so a rebuild by hand (setup.py build_ext) or any changed input rebuilds.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def build_inputs() -> str:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = "none"
-    h.update(f"torch={torch_version}\0python={sys.executable}\0{sys.version}".encode())
+    h.update(f"torch={torch_version}\0env={sys.prefix}\0python={sys.version}".encode())
     for name in BUILD_ENV:
         h.update(f"\0{name}={os.environ.get(name, '')}".encode())
     return h.hexdigest()
