@@ -126,7 +126,7 @@ def why_stale() -> str | None:
         return f"{PROJECT} is not installed in editable mode from {ROOT} for {sys.executable}"
     stamp = json.loads(STAMP.read_text())
     if stamp.get("inputs") != build_inputs():
-        return "sources, torch, interpreter or build variables changed"
+        return "sources, torch, Python environment or build variables changed"
     if stamp.get("extension") != _sha256(EXTENSION):
         return f"{EXTENSION.name} was rebuilt outside scripts/setup.sh"
     return None
