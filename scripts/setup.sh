@@ -14,10 +14,12 @@ echo "[setup] python: $($PY --version 2>&1) at $(command -v "$PY")"
 # Python 3.10 has no tomllib for reading pyproject.toml
 $PY -c "import tomllib" 2>/dev/null || "${PIP[@]}" install --quiet tomli
 
-mapfile -t missing < <($PY scripts/setup_state.py missing test)
-if [ ${#missing[@]} -gt 0 ]; then
-  echo "[setup] installing ${missing[*]} (torch 2.14.1 takes ~2 min the first time)"
-  "${PIP[@]}" install --quiet "${missing[@]}"
+# a plain assignment, so set -e stops here when the check itself fails
+missing=$($PY scripts/setup_state.py missing test)
+if [ -n "$missing" ]; then
+  mapfile -t reqs <<< "$missing"
+  echo "[setup] installing ${reqs[*]} (torch 2.14.1 takes ~2 min the first time)"
+  "${PIP[@]}" install --quiet "${reqs[@]}"
 else
   echo "[setup] requirements already installed"
 fi

@@ -9,7 +9,7 @@ without importing torch, so a rerun with nothing changed takes seconds:
 
 The stamp (glm5_ops/_C.stamp.json, beside the extension) holds a hash of every
 input of the build (csrc/**, setup.py, pyproject.toml, the torch version, the
-interpreter, the GLM5_* / CUDA build variables) and a hash of the extension
+Python environment and its version, the GLM5_* / CUDA build variables) and a hash of the extension
 itself, so a rebuild by hand (setup.py build_ext) or any changed input rebuilds.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def build_inputs() -> str:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = "none"
-    h.update(f"torch={torch_version}\0python={sys.executable}\0{sys.version}".encode())
+    h.update(f"torch={torch_version}\0env={sys.prefix}\0python={sys.version}".encode())
     for name in BUILD_ENV:
         h.update(f"\0{name}={os.environ.get(name, '')}".encode())
     return h.hexdigest()
@@ -126,7 +126,7 @@ def why_stale() -> str | None:
         return f"{PROJECT} is not installed in editable mode from {ROOT} for {sys.executable}"
     stamp = json.loads(STAMP.read_text())
     if stamp.get("inputs") != build_inputs():
-        return "sources, torch, interpreter or build variables changed"
+        return "sources, torch, Python environment or build variables changed"
     if stamp.get("extension") != _sha256(EXTENSION):
         return f"{EXTENSION.name} was rebuilt outside scripts/setup.sh"
     return None
@@ -135,7 +135,8 @@ def why_stale() -> str | None:
 def main(argv: list[str]) -> int:
     command, args = (argv[0], argv[1:]) if argv else ("", [])
     if command == "missing":
-        print("\n".join(missing(requirements(args))))
+        for req in missing(requirements(args)):
+            print(req)
         return 0
     if command == "fresh":
         reason = why_stale()
