@@ -208,7 +208,7 @@ def test_dsa_form_choice_follows_the_kernels_lane_threshold(monkeypatch):
 
 
 def test_cpu_lane_costs_refuses_bad_arguments():
-    with pytest.raises(RuntimeError, match="group must be >= 1"):
+    with pytest.raises(ValueError, match="group must be >= 1"):
         plan.cpu_lane_costs(0, 64)
-    with pytest.raises(RuntimeError, match="queries must be >= 1"):
+    with pytest.raises(ValueError, match="queries must be >= 1"):
         plan.cpu_lane_costs(1, 0)

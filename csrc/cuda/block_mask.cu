@@ -194,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> block_topk_mask(const at::Tensor& q_in, const
             static_cast<const __nv_bfloat16*>(x.const_data_ptr()), out.data_ptr<float>(), x.size(0), x.size(1),
             x.size(2), x.size(3), bs, mode);
         break;
-      default: TORCH_CHECK(false, "q must be fp32, fp16 or bf16, got ", x.scalar_type());
+      default: TORCH_CHECK_TYPE(false, "q must be fp32, fp16 or bf16, got ", x.scalar_type());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
