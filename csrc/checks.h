@@ -153,8 +153,9 @@ inline void check_attention_grads(const at::Tensor& dout, const at::Tensor& q, c
                     " and ", lse.device());
 }
 
-// block_topk_mask: q[B,S,H,D], k[B,T,Hkv,D], counts >= 0, pooling "mean" | "minmax".
-inline void check_block_topk_args(const at::Tensor& q, const at::Tensor& k, int64_t block_size, int64_t topk_blocks,
+// block_topk_mask: q[B,S,H,D], k[B,T,Hkv,D], counts >= 0, pooling "mean" | "minmax". Returns the block
+// size to run with, as check_block_mask does (block_size >= max(S, T) is one block either way).
+inline int64_t check_block_topk_args(const at::Tensor& q, const at::Tensor& k, int64_t block_size, int64_t topk_blocks,
                                   int64_t sink_blocks, int64_t local_blocks, c10::string_view pooling) {
   TORCH_CHECK_VALUE(q.dim() == 4, "q must have shape [B,S,H,D], got a tensor of rank ", q.dim());
   TORCH_CHECK_VALUE(k.dim() == 4, "k must have shape [B,T,Hkv,D], got a tensor of rank ", k.dim());
@@ -175,6 +176,12 @@ inline void check_block_topk_args(const at::Tensor& q, const at::Tensor& k, int6
                     "topk_blocks, sink_blocks and local_blocks must be >= 0, got ", topk_blocks, ", ", sink_blocks, ", ",
                     local_blocks);
   TORCH_CHECK_VALUE(pooling == "mean" || pooling == "minmax", "pooling must be 'mean' or 'minmax', got '", pooling, "'");
+  return std::min(block_size, std::max(q.size(1), k.size(1)));
+}
+
+// block_topk_mask's output width min(Kb, sink + local + topk), without overflow for counts near 2^63.
+inline int64_t block_topk_width(int64_t Kb, int64_t topk_blocks, int64_t sink_blocks, int64_t local_blocks) {
+  return std::min(Kb, std::min(Kb, sink_blocks) + std::min(Kb, local_blocks) + std::min(Kb, topk_blocks));
 }
 
 // --- Mixture of Experts ---

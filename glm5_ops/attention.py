@@ -212,11 +212,12 @@ def block_topk_mask(q, k, *, block_size: int, topk_blocks: int, causal: bool = T
     device = check.same_device(q=q, k=k)
     qs = check.q_start(q_start, B, device)
     q, k = q.contiguous(), k.contiguous()
-    args = (q, k, bs, topk_blocks, causal, sink_blocks, local_blocks, pooling, qs)
+    run_bs = min(bs, max(q.shape[1], k.shape[1]))   # >= max(S, T): one block either way (see _check_block_mask)
+    args = (q, k, run_bs, topk_blocks, causal, sink_blocks, local_blocks, pooling, qs)
     num, idx = dispatch("block_topk_mask", device, {
         "cpp": lambda: cpp_ops().block_topk_mask(*args),
         "triton": lambda: triton_module("attention", device).block_topk_mask(*args),
-        "reference": lambda: reference.block_topk_mask(q, k, block_size=bs, topk_blocks=topk_blocks, causal=causal,
+        "reference": lambda: reference.block_topk_mask(q, k, block_size=run_bs, topk_blocks=topk_blocks, causal=causal,
                                                        sink_blocks=sink_blocks, local_blocks=local_blocks,
                                                        pooling=pooling, q_start=qs),
     })

@@ -331,3 +331,17 @@ def test_a_huge_block_size_is_one_block(backend, block_size):
     if backend == "cpp":   # the raw op takes any int64
         got = ops.block_sparse_attention_fwd(q, k, v, num, idx, block_size, 8 ** -0.5, True, None)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_block_topk_mask_with_a_huge_block_size_or_counts(backend):
+    """block_size >= max(S, T) is one block (no padding to block_size rows), and
+    sink/local/topk counts near 2^63 do not overflow the mask's width."""
+    q, k = fresh(1, 5, 2, 8), fresh(1, 9, 1, 8)
+    want = glm5_ops.block_topk_mask(q, k, block_size=9, topk_blocks=1)
+    got = glm5_ops.block_topk_mask(q, k, block_size=2**31 - 1, topk_blocks=1)
+    assert got.block_size == 2**31 - 1
+    assert torch.equal(got.kv_num_blocks, want.kv_num_blocks) and torch.equal(got.kv_indices, want.kv_indices)
+    if backend == "cpp":   # the raw op takes any int64
+        for bs, counts in ((2**62, (1, 1, 1)), (4, (2**62, 2**62, 2**62))):
+            num, idx = ops.block_topk_mask(q, k, bs, counts[0], True, counts[1], counts[2], "mean", None)
+            assert num.shape == (1, 2, 1 if bs > 9 else 2) and idx.shape[-1] == (1 if bs > 9 else 3)   # Kb
