@@ -191,7 +191,7 @@ def test_bad_token_ids_and_lengths_raise():
         model(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match="must fit max_position_embeddings=32, got a prompt of 30 . 3 new tokens"):
         generate(model, torch.zeros(1, 30, dtype=torch.long), 3)
-    with pytest.raises(ValueError, match="attention mode must be one of the registered modes"):
+    with pytest.raises(ValueError, match="attn must be one of the registered attention modes"):
         GLM5ForCausalLM(_tiny(), attn="flash")
 
 

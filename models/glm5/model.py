@@ -185,7 +185,7 @@ class GLM5ForCausalLM(nn.Module):
     def attention(self, mode: str | AttentionMode):
         """Runs the block with attention mode `mode` (a registered name or an
         AttentionMode); the previous mode comes back afterwards, even on an exception."""
-        previous, self.attention_mode = self.attention_mode, attention_mode(mode)
+        previous, self.attention_mode = self.attention_mode, attention_mode(mode, "mode")
         try:
             yield self
         finally:
