@@ -58,17 +58,17 @@ GLM5_HD float uniform(uint32_t key, int64_t n) {
 }
 
 inline void check_bits_group(int64_t bits, int64_t group_size) {
-  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be one of (8, 4, 2), got ", bits);
-  TORCH_CHECK(group_size > 0 && group_size % (8 / bits) == 0, "group_size must be a positive multiple of ",
-              8 / bits, " for ", bits, "-bit packing, got ", group_size);
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4 || bits == 2, "bits must be one of (8, 4, 2), got ", bits);
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % (8 / bits) == 0, "group_size must be a positive multiple of ",
+                    8 / bits, " for ", bits, "-bit packing, got ", group_size);
 }
 
 inline void check_quantize_args(const at::Tensor& x, int64_t bits, int64_t group_size) {
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "x must be a floating-point tensor, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension (groups run along the last one)");
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), "x must be a floating-point tensor, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x must have at least one dimension (groups run along the last one), got a 0-d tensor");
   check_bits_group(bits, group_size);
-  TORCH_CHECK(x.size(-1) % group_size == 0, "group_size=", group_size,
-              " must divide the last dimension of x (", x.size(-1), ")");
+  TORCH_CHECK_VALUE(x.size(-1) % group_size == 0, "group_size must divide the last dimension of x (",
+                    x.size(-1), "), got ", group_size);
 }
 
 // Returns numel of the dequantised tensor.
@@ -76,27 +76,27 @@ inline int64_t check_dequantize_args(const at::Tensor& packed, const at::Tensor&
                                      int64_t bits, int64_t group_size, at::IntArrayRef shape,
                                      at::ScalarType dtype) {
   check_bits_group(bits, group_size);
-  TORCH_CHECK(!shape.empty(), "shape must have at least one dimension");
-  TORCH_CHECK(shape.back() % group_size == 0, "group_size=", group_size,
-              " must divide the last dimension of shape (", shape.back(), ")");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-              "dtype must be fp32, fp16 or bf16, got ", dtype);
-  TORCH_CHECK(packed.scalar_type() == at::kByte, "packed must be uint8, got ", packed.scalar_type());
+  TORCH_CHECK_VALUE(!shape.empty(), "shape must have at least one dimension, got []");
+  TORCH_CHECK_VALUE(shape.back() % group_size == 0, "group_size must divide the last dimension of shape (",
+                    shape.back(), "), got ", group_size);
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                   "dtype must be fp32, fp16 or bf16, got ", dtype);
+  TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte, "packed must be uint8, got ", packed.scalar_type());
   int64_t numel = 1;
   for (int64_t s : shape) {
-    TORCH_CHECK(s >= 0, "shape must be non-negative, got ", shape);
+    TORCH_CHECK_VALUE(s >= 0, "shape must be non-negative, got ", shape);
     numel *= s;
   }
-  TORCH_CHECK(packed.numel() == numel * bits / 8, "packed must hold ", numel * bits / 8, " bytes for shape ",
-              shape, " at ", bits, " bits, got ", packed.numel());
+  TORCH_CHECK_VALUE(packed.numel() == numel * bits / 8, "packed must hold ", numel * bits / 8, " bytes for shape ",
+                    shape, " at ", bits, " bits, got ", packed.numel());
   const int64_t G = numel / group_size;
-  TORCH_CHECK(scale.numel() == G && zero.numel() == G, "scale and zero must have G=", G,
-              " entries, got ", scale.numel(), " and ", zero.numel());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && zero.scalar_type() == at::kFloat,
-              "scale and zero must be fp32, got ", scale.scalar_type(), " and ", zero.scalar_type());
-  TORCH_CHECK(packed.device() == scale.device() && packed.device() == zero.device(),
-              "packed, scale and zero must be on one device, got ", packed.device(), ", ", scale.device(),
-              " and ", zero.device());
+  TORCH_CHECK_VALUE(scale.numel() == G && zero.numel() == G, "scale and zero must have G=", G,
+                    " entries, got ", scale.numel(), " and ", zero.numel());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat && zero.scalar_type() == at::kFloat,
+                   "scale and zero must be fp32, got ", scale.scalar_type(), " and ", zero.scalar_type());
+  TORCH_CHECK_VALUE(packed.device() == scale.device() && packed.device() == zero.device(),
+                    "packed, scale and zero must be on one device, got ", packed.device(), ", ", scale.device(),
+                    " and ", zero.device());
   return numel;
 }
 

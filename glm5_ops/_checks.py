@@ -6,6 +6,7 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+INT32_MAX = 2**31 - 1   # the bound of an int argument that no size implies (kernels index with int32)
 
 
 def dtype_name(d: torch.dtype) -> str:

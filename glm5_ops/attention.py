@@ -91,10 +91,16 @@ def _check_qkv(q, k, v):
     if v.dtype != q.dtype:
         raise TypeError(f"v must have the dtype of q ({check.dtype_name(q.dtype)}), got {check.dtype_name(v.dtype)}")
     device = check.same_device(q=q, k=k, v=v)
-    # k and v keep their strides (v may view k); only the head dim must be dense.
-    k = k if k.stride(3) == 1 else k.contiguous()
-    v = v if v.stride(3) == 1 else v.contiguous()
-    return q.contiguous(), k, v, device
+    return q.contiguous(), _unit_head_stride(k), _unit_head_stride(v), device
+
+
+def _unit_head_stride(t: torch.Tensor) -> torch.Tensor:
+    """k and v keep their strides (v may view k); only the head dim must be dense. A size-1 or
+    empty tensor counts as contiguous whatever its strides, so .contiguous() would hand it back
+    as is: clone it to the canonical strides instead."""
+    if t.stride(3) == 1:
+        return t
+    return t.clone(memory_format=torch.contiguous_format) if t.is_contiguous() else t.contiguous()
 
 
 def _scale(scale, Dk: int) -> float:
@@ -163,7 +169,9 @@ def _check_block_mask(mask: BlockMask, B: int, S: int, Hq: int, T: int, device) 
             raise ValueError(f"kv_indices must list each key block at most once per row, got a repeat in row {row}")
     num = num.to(torch.int32).expand(B, Hq, Qb).contiguous()
     idx = idx.to(torch.int32).expand(B, Hq, Qb, idx.shape[3]).contiguous()
-    return BlockMask(num, idx, bs)
+    # Any block_size >= max(S, T) is one query block and one key block, the same mask as
+    # max(S, T): run with that, so a huge one never sizes a dense mask or a kernel's scratch.
+    return BlockMask(num, idx, min(bs, max(S, T, 1)))
 
 
 # ------------------------------------------------------------------ ops --
@@ -204,11 +212,12 @@ def block_topk_mask(q, k, *, block_size: int, topk_blocks: int, causal: bool = T
     device = check.same_device(q=q, k=k)
     qs = check.q_start(q_start, B, device)
     q, k = q.contiguous(), k.contiguous()
-    args = (q, k, bs, topk_blocks, causal, sink_blocks, local_blocks, pooling, qs)
+    run_bs = min(bs, max(q.shape[1], k.shape[1]))   # >= max(S, T): one block either way (see _check_block_mask)
+    args = (q, k, run_bs, topk_blocks, causal, sink_blocks, local_blocks, pooling, qs)
     num, idx = dispatch("block_topk_mask", device, {
         "cpp": lambda: cpp_ops().block_topk_mask(*args),
         "triton": lambda: triton_module("attention", device).block_topk_mask(*args),
-        "reference": lambda: reference.block_topk_mask(q, k, block_size=bs, topk_blocks=topk_blocks, causal=causal,
+        "reference": lambda: reference.block_topk_mask(q, k, block_size=run_bs, topk_blocks=topk_blocks, causal=causal,
                                                        sink_blocks=sink_blocks, local_blocks=local_blocks,
                                                        pooling=pooling, q_start=qs),
     })

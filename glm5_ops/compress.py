@@ -29,6 +29,7 @@ backend (the reference draws u with torch.rand instead).
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections import defaultdict
 from typing import Callable, Iterable
@@ -88,8 +89,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bi
     """x_hat [shape] of `dtype` (fp32/fp16/bf16) = zero[g] + q * scale[g], computed in
     fp32 and written straight in `dtype` (no fp32 intermediate tensor)."""
     _check_bits_group(bits, group_size)
-    try:
-        shape = tuple(int(s) for s in shape)
+    try:   # operator.index: ints only (a str or a float is not silently converted)
+        shape = tuple(operator.index(s) for s in shape)
     except TypeError:
         raise TypeError(f"shape must be a sequence of ints, got {shape!r}") from None
     if not shape or any(s < 0 for s in shape):

@@ -49,7 +49,12 @@ from .moe_plan import MoEPlan
 
 
 MOE_FLOAT_DTYPES = check.FLOAT_DTYPES + (torch.float64,)
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = check.INT32_MAX
+
+
+# moe_dispatch's bound on num_experts (csrc/checks.h states it too): the kernels keep per-expert
+# counters and offsets [E+1], so one huge int must not allocate gigabytes (GLM-5 has 256 experts).
+MAX_EXPERTS = 1 << 20
 
 
 def _int(value, name: str, lo: int, hi: int = _INT32_MAX) -> int:
@@ -121,7 +126,7 @@ def moe_dispatch(x, ids, num_experts: int, *, align: int = 1):
     T = x.shape[0]
     check.tensor(ids, "ids", f"[T={T},k]", rank=2, dtypes=check.INDEX_DTYPES)
     check.dim(ids, "ids", f"[T={T},k]", 0, T, "T")
-    _int(num_experts, "num_experts", 1)
+    _int(num_experts, "num_experts", 1, MAX_EXPERTS)
     _int(align, "align", 1)
     device = check.same_device(x=x, ids=ids)
     _ids_in_range(ids, num_experts, "ids", "expert ids")

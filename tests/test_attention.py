@@ -355,14 +355,14 @@ def test_cpp_ops_guard_direct_calls():
     """torch.ops.glm5 called directly (no Python checks) rejects bad input too."""
     ops = torch.ops.glm5
     q, k, v, idx, scale, causal, qs = _sparse_args()
-    with pytest.raises(RuntimeError, match="indices must be int32"):
+    with pytest.raises(TypeError, match="indices must be int32"):
         ops.sparse_attention_fwd(q, k, v, idx.long(), scale, causal, qs)
-    with pytest.raises(RuntimeError, match="must divide the query heads"):
+    with pytest.raises(ValueError, match="Hkv >= 1 that divide the query heads of q .*got Hkv="):
         ops.sparse_attention_fwd(q[:, :, :3].contiguous(), k, v, idx, scale, causal, qs)
     bq, bk, bv, num, bidx, bs, *_ = _block_args()
-    with pytest.raises(RuntimeError, match="kv_num_blocks must have shape"):
+    with pytest.raises(ValueError, match="kv_num_blocks must have shape"):
         ops.block_sparse_attention_fwd(bq, bk, bv, num[:, :, :1].contiguous(), bidx, bs, 0.3, True, None)
-    with pytest.raises(RuntimeError, match="pooling"):
+    with pytest.raises(ValueError, match="pooling"):
         ops.block_topk_mask(bq, bk, 8, 1, True, 1, 1, "median", None)
 
 

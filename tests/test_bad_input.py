@@ -73,20 +73,20 @@ def test_unknown_backend():
 
 def test_cpp_ops_guard_direct_calls():
     ops = torch.ops.glm5
-    with pytest.raises(RuntimeError, match=r"k must be in \[1, T=30\]"):
+    with pytest.raises(ValueError, match=r"k must be in \[1, T=30\]"):
         ops.topk_indices(fresh(2, 30), 31, False)
-    with pytest.raises(RuntimeError, match=r"q must have shape \[B,S,H,D\]"):
+    with pytest.raises(ValueError, match=r"q must have shape \[B,S,H,D\]"):
         ops.indexer_scores(q[0], w, k, True, None)
-    with pytest.raises(RuntimeError, match=r"w must have shape \[B,S,H\]"):
+    with pytest.raises(ValueError, match=r"w must have shape \[B,S,H\]"):
         ops.indexer_topk(q, w[:, :3], k, 3, True, None)
-    with pytest.raises(RuntimeError, match=r"scores must be fp32, fp16 or bf16"):
+    with pytest.raises(TypeError, match=r"scores must be fp32, fp16 or bf16"):
         ops.topk_indices(torch.arange(10, device=DEVICE), 2, False)
-    with pytest.raises(RuntimeError, match=r"at least one head"):  # was SIGFPE
+    with pytest.raises(ValueError, match=r"at least one head"):  # was SIGFPE
         ops.indexer_scores(q[:, :, :0], w[:, :, :0], k, True, None)
     if DEVICE.type == "cpu":  # the CPU kernel buckets keys by position: it must refuse any past T
         qa, ka = fresh(1, 4, 16, 64), fresh(1, 10, 1, 64)
         idx = torch.tensor([[[0, 1, 12]] * 4], dtype=torch.int32)
-        with pytest.raises(RuntimeError, match=r"key positions in \[0, T=10\), got 12"):
+        with pytest.raises(ValueError, match=r"key positions in \[0, T=10\), got 12"):
             ops.sparse_attention_fwd(qa, ka, ka, idx, 0.125, False, None)
 
 
@@ -102,10 +102,10 @@ def test_cpp_block_sparse_guards_direct_calls(num, first, match):
     kv_num = torch.full((1, 2, 2), 1, dtype=torch.int32)
     kv_idx = torch.zeros(1, 2, 2, 2, dtype=torch.int32)
     kv_num[0, 1, 1], kv_idx[0, 1, 1, 0] = num, first
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         ops.block_sparse_attention_fwd(q, k, k, kv_num, kv_idx, 8, 0.125, False, None)
     out, lse = fresh(1, 16, 2, 32), fresh(1, 16, 2)
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         ops.block_sparse_attention_bwd(out, q, k, k, kv_num, kv_idx, out, lse, 8, 0.125, False, None)
 
 
@@ -220,24 +220,62 @@ def test_direct_calls_with_out_of_range_indices_raise():
     out, lse = fresh(1, 4, 2, 16), fresh(1, 4, 2)
     for bad in (10, -2):
         idx = torch.tensor([[[0, 1, bad]] * 4], dtype=torch.int32)
-        with pytest.raises(RuntimeError, match=r"indices entries must be -1 or key positions in \[0, T=10\)"):
+        with pytest.raises(ValueError, match=r"indices entries must be -1 or key positions in \[0, T=10\)"):
             ops.sparse_attention_fwd(q, k, v, idx, 0.25, False, None)
-        with pytest.raises(RuntimeError, match=r"indices entries must be -1 or key positions in \[0, T=10\)"):
+        with pytest.raises(ValueError, match=r"indices entries must be -1 or key positions in \[0, T=10\)"):
             ops.sparse_attention_bwd(out, q, k, v, idx, out, lse, 0.25, False, None)
     x, wgu, wd, w, ids = _moe()
     for bad in (5, -1):
         bad_ids = ids.clone()
         bad_ids[3, 1] = bad
-        with pytest.raises(RuntimeError, match=r"ids must be expert ids in \[0, num_experts=5\)"):
+        with pytest.raises(ValueError, match=r"ids must be expert ids in \[0, num_experts=5\)"):
             ops.moe_dispatch(x, bad_ids, 5, 1)
-        with pytest.raises(RuntimeError, match=r"ids must be expert ids in \[0, E=5\)"):
+        with pytest.raises(ValueError, match=r"ids must be expert ids in \[0, E=5\)"):
             ops.fused_moe_fwd(x, wgu, wd, w, bad_ids)
-        with pytest.raises(RuntimeError, match=r"ids must be expert ids in \[0, E=5\)"):
+        with pytest.raises(ValueError, match=r"ids must be expert ids in \[0, E=5\)"):
             ops.fused_moe_bwd(x, x, wgu, wd, w, bad_ids)
     for bad in (12, -1):
         slot = torch.arange(12, dtype=torch.int32).view(6, 2).clone()
         slot[2, 0] = bad
-        with pytest.raises(RuntimeError, match=r"token_slot entries must be rows of y_sorted in \[0, N=12\)"):
+        with pytest.raises(ValueError, match=r"token_slot entries must be rows of y_sorted in \[0, N=12\)"):
             ops.moe_combine(fresh(12, 8), slot, w)
-    with pytest.raises(RuntimeError, match=r"topk must be in \[1, T=10\]"):
+    with pytest.raises(ValueError, match=r"topk must be in \[1, T=10\]"):
         ops.indexer_topk(fresh(1, 4, 2, 8), fresh(1, 4, 2), fresh(1, 10, 8), 11, True, None)
+
+
+# ------------------------------ issue 24: fuzz findings, one test each --
+
+def test_direct_calls_raise_value_and_type_errors():
+    """TORCH_CHECK_VALUE / TORCH_CHECK_TYPE: a bad direct call raises what the
+    wrappers raise, naming the argument, what it must be and what it got."""
+    ops = torch.ops.glm5
+    q, k = fresh(1, 4, 3, 8), fresh(1, 6, 2, 8)
+    idx = torch.zeros(1, 4, 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^k must have kv heads Hkv >= 1 that divide the query heads of q "
+                                         r"\(Hq=3\), got Hkv=2"):
+        ops.sparse_attention_fwd(q, k, k, idx, 0.1, False, None)
+    with pytest.raises(TypeError, match=r"^indices must be int32, got Long"):
+        ops.sparse_attention_fwd(q, k[:, :, :1], k[:, :, :1], idx.long(), 0.1, False, None)
+    with pytest.raises(ValueError, match=r"^group_size must divide the last dimension of x \(12\), got 8"):
+        ops.quantize_groupwise(fresh(2, 12), 8, 8, False, 0)
+
+
+def test_moe_dispatch_bounds_align_and_num_experts():
+    """One huge int must not allocate (or zero-fill) billions of rows."""
+    ops = torch.ops.glm5
+    x, _, _, _, ids = _moe()
+    with pytest.raises(ValueError, match=r"^align must be in \[1, 2\^31\), got 4611686018427387904"):
+        ops.moe_dispatch(x, ids, 5, 2**62)
+    with pytest.raises(ValueError, match=r"^ids, num_experts and align must give .* got T=6, k=2, num_experts=5, "
+                                         r"align=1073741824"):
+        ops.moe_dispatch(x, ids, 5, 2**30)
+    with pytest.raises(ValueError, match=r"^num_experts must be in \[1, 2\^20\], got 1073741824"):
+        ops.moe_dispatch(x, ids, 2**30, 1)
+    with pytest.raises(ValueError, match=r"^num_experts must be in \[1, 1048576\], got 1073741824"):
+        glm5_ops.moe_dispatch(x, ids, 2**30)
+
+
+@pytest.mark.parametrize("shape", [["x", 32], (2.5, 32), (None,)])
+def test_dequantize_shape_must_hold_ints(shape):
+    with pytest.raises(TypeError, match=r"^shape must be a sequence of ints, got"):
+        glm5_ops.dequantize(torch.zeros(32, dtype=torch.uint8, device=DEVICE), fresh(1), fresh(1), 8, 32, shape)

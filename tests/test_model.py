@@ -187,11 +187,11 @@ def test_bad_token_ids_and_lengths_raise():
         model(torch.tensor([[-1, 2]]))
     with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
         model(torch.rand(1, 4))
-    with pytest.raises(ValueError, match="exceeds max_position_embeddings=32"):
+    with pytest.raises(ValueError, match="must end within max_position_embeddings=32 positions, got a sequence of 33"):
         model(torch.zeros(1, 33, dtype=torch.long))
-    with pytest.raises(ValueError, match="exceeds max_position_embeddings=32"):
+    with pytest.raises(ValueError, match="must fit max_position_embeddings=32, got a prompt of 30 . 3 new tokens"):
         generate(model, torch.zeros(1, 30, dtype=torch.long), 3)
-    with pytest.raises(ValueError, match="attention mode must be one of the registered modes"):
+    with pytest.raises(ValueError, match="attn must be one of the registered attention modes"):
         GLM5ForCausalLM(_tiny(), attn="flash")
 
 
@@ -290,10 +290,46 @@ def test_chunked_prefill_equals_one_call():
 def test_cache_overflow_and_batch_mismatch_raise():
     model = _random_model(_tiny())
     cache = model.new_cache(1, 8)
-    with pytest.raises(ValueError, match="cache full"):
+    with pytest.raises(ValueError, match="cache full: .* input_ids must fit max_tokens=8, got 9 tokens"):
         model(torch.zeros(1, 9, dtype=torch.long), cache)
     with pytest.raises(ValueError, match="holds batch 1"):
         model(torch.zeros(2, 3, dtype=torch.long), cache)
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    # one huge int must not allocate the cache: the sizes bound it (issue 24)
+    (lambda m: m.new_cache(1, 97), ValueError, r"max_tokens must be in \[1, 96\], got 97"),
+    (lambda m: m.new_cache(1, 8, page_size=2**40), ValueError, r"page_size must be in \[1, 96\], got"),
+    (lambda m: m.new_cache(2**31, 8), ValueError, r"batch must be in \[1, 2147483647\], got"),
+    (lambda m: m.new_cache(2**26, 96), ValueError, r"batch, max_tokens and page_size must give .* < 2\^31"),
+    (lambda m: m.new_cache("2", 8), TypeError, r"batch must be an int, got str"),
+    (lambda m: m.new_cache(1, 8.0), TypeError, r"max_tokens must be an int, got float"),
+    (lambda m: m.new_cache(1, 8, page_size=None), TypeError, r"page_size must be an int, got NoneType"),
+    (lambda m: m.prefill(torch.zeros(1, 4, dtype=torch.long), m.new_cache(1, 8), chunk="4"), TypeError,
+     r"chunk must be an int, got str"),
+    (lambda m: m.prefill(torch.zeros(4, dtype=torch.long), m.new_cache(1, 8)), ValueError,
+     r"input_ids must be an integer tensor \[B, S\], got torch.int64 \(4,\)"),
+    (lambda m: m([1, 2]), ValueError, r"input_ids must be an integer tensor \[B, S\], got list"),
+    (lambda m: m(torch.zeros(1, 2, 3, dtype=torch.long)), ValueError, r"input_ids must be an integer tensor"),
+    (lambda m: m(torch.zeros(1, 0, dtype=torch.long)), ValueError, r"input_ids must hold at least one token, got"),
+    (lambda m: m(torch.zeros(1, 4, dtype=torch.long), logits_to_keep=1.5), TypeError,
+     r"logits_to_keep must be an int, got float"),
+    (lambda m: m(torch.zeros(1, 4, dtype=torch.long), logits_to_keep=-1), ValueError,
+     r"logits_to_keep must be in \[0, 2147483647\], got -1"),
+    (lambda m: generate(m, torch.zeros(1, 4, dtype=torch.long), 2, do_sample=True, temperature=float("inf")),
+     ValueError, r"temperature must be a finite float > 0 when sampling, got inf"),
+    (lambda m: generate(m, torch.zeros(1, 4, dtype=torch.long), 2, do_sample=True, top_k="3"), TypeError,
+     r"top_k must be an int, got str"),
+    (lambda m: generate(m, torch.zeros(1, 4, dtype=torch.long), 2, prefill_chunk=0), ValueError,
+     r"prefill_chunk must be in \[1, 2147483647\], got 0"),
+    (lambda m: generate(m, torch.zeros(4, dtype=torch.long), 2), ValueError, r"input_ids must be an integer tensor"),
+])
+def test_model_arguments_are_checked(call, exc, message):
+    """Each int/float argument of the model's entry points is checked up front,
+    naming it, what it must be and what it got (found by tests/fuzz)."""
+    model = _random_model(_tiny(max_position_embeddings=96))
+    with pytest.raises(exc, match=message):
+        call(model)
 
 
 # ---------------------------------------------------------------- generation --

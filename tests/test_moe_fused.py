@@ -171,13 +171,13 @@ def test_bad_input(backend):
 
 def test_cpp_ops_guard_direct_calls():
     x, wgu, wd, w, ids = _inputs(6, 8, 3, 5, 2, "random", torch.float32, seed=3)
-    with pytest.raises(RuntimeError, match=r"ids must be expert ids in \[0, E=4\)"):
+    with pytest.raises(ValueError, match=r"ids must be expert ids in \[0, E=4\)"):
         ops.fused_moe_fwd(x, wgu[:4], wd[:4], w, torch.full_like(ids, 4))
-    with pytest.raises(RuntimeError, match=r"weights must have shape \[T,k\]"):
+    with pytest.raises(ValueError, match=r"weights must have shape \[T,k\]"):
         ops.fused_moe_fwd(x, wgu, wd, w[:, :1], ids)
-    with pytest.raises(RuntimeError, match=r"ids must be int32"):
+    with pytest.raises(TypeError, match=r"ids must be int32"):
         ops.fused_moe_fwd(x, wgu, wd, w, ids.long())
-    with pytest.raises(RuntimeError, match=r"w_gate_up and w_down must have the dtype of x"):
+    with pytest.raises(TypeError, match=r"w_gate_up and w_down must have the dtype of x"):
         ops.fused_moe_fwd(x, wgu.half(), wd, w, ids)
-    with pytest.raises(RuntimeError, match=r"dout must have shape \[T,D\]"):
+    with pytest.raises(ValueError, match=r"dout must have shape \[T,D\]"):
         ops.fused_moe_bwd(x[:3], x, wgu, wd, w, ids)

@@ -23,6 +23,7 @@ namespace {
 
 // x [B,N,H,D] -> per-block reduction over rows [B,ceil(N/bs),H,D] (the last block partial).
 at::Tensor pool_blocks(const at::Tensor& x, int64_t bs, const char* how) {
+  bs = std::max<int64_t>(1, std::min(bs, x.size(1)));  // one block of N rows either way: pad no further
   const int64_t N = x.size(1), nb = (N + bs - 1) / bs, pad = nb * bs - N;
   const std::string mode(how);
   if (mode == "mean") {
@@ -44,11 +45,11 @@ std::tuple<at::Tensor, at::Tensor> block_topk_mask_cpu(const at::Tensor& q, cons
                                                        int64_t topk_blocks, bool causal, int64_t sink_blocks,
                                                        int64_t local_blocks, c10::string_view pooling,
                                                        const c10::optional<at::Tensor>& q_start) {
-  check_block_topk_args(q, k, block_size, topk_blocks, sink_blocks, local_blocks, pooling);
+  const int64_t bs = check_block_topk_args(q, k, block_size, topk_blocks, sink_blocks, local_blocks, pooling);
   check_q_start(q_start, q.size(0), q.device());
-  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), T = k.size(1), G = H / k.size(2), bs = block_size;
+  const int64_t B = q.size(0), S = q.size(1), H = q.size(2), T = k.size(1), G = H / k.size(2);
   const int64_t Qb = (S + bs - 1) / bs, Kb = (T + bs - 1) / bs;
-  const int64_t width = std::min(Kb, sink_blocks + local_blocks + topk_blocks);
+  const int64_t width = block_topk_width(Kb, topk_blocks, sink_blocks, local_blocks);
   const at::Tensor qf = q.to(at::kFloat), kf = k.to(at::kFloat);
   const at::Tensor qbar = pool_blocks(qf, bs, "mean").permute({0, 2, 1, 3});  // [B,H,Qb,D]
   at::Tensor score;                                                         // [B,H,Qb,Kb]

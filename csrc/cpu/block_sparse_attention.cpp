@@ -46,11 +46,11 @@ void check_mask_entries(const BlockProblem& P) {
   const int64_t rows = P.in.B * P.in.Hq * P.Qb, Qk = (P.in.T + P.bs - 1) / P.bs;
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t n = P.num[row];
-    TORCH_CHECK(n >= 0 && n <= P.Wd, "kv_num_blocks entries must be in [0, maxKV=", P.Wd, "], got ", n);
+    TORCH_CHECK_VALUE(n >= 0 && n <= P.Wd, "kv_num_blocks entries must be in [0, maxKV=", P.Wd, "], got ", n);
     for (int64_t e = 0; e < n; ++e) {
       const int64_t j = P.idx[row * P.Wd + e];
-      TORCH_CHECK(j >= 0 && j < Qk, "kv_indices: the first kv_num_blocks entries of each row must be key blocks in [0, ",
-                  Qk, "), got ", j);
+      TORCH_CHECK_VALUE(j >= 0 && j < Qk, "kv_indices: the first kv_num_blocks entries of each row must be key blocks in [0, ",
+                        Qk, "), got ", j);
     }
   }
 }
@@ -103,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd_cpu(
     const at::Tensor& kv_indices, int64_t block_size, double scale, bool causal,
     const c10::optional<at::Tensor>& q_start) {
   check_attention_qkv(q, k, v);
-  check_block_mask(q, k, kv_num_blocks, kv_indices, block_size);
+  block_size = check_block_mask(q, k, kv_num_blocks, kv_indices, block_size);
   check_q_start(q_start, q.size(0), q.device());
   const AttentionInputs in(q, k, v, q_start);
   const BlockProblem P{in, kv_num_blocks.const_data_ptr<int32_t>(), kv_indices.const_data_ptr<int32_t>(), block_size,
@@ -146,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_attention_bwd_cpu(
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, const at::Tensor& out, const at::Tensor& lse,
     int64_t block_size, double scale, bool causal, const c10::optional<at::Tensor>& q_start) {
   check_attention_qkv(q, k, v);
-  check_block_mask(q, k, kv_num_blocks, kv_indices, block_size);
+  block_size = check_block_mask(q, k, kv_num_blocks, kv_indices, block_size);
   check_q_start(q_start, q.size(0), q.device());
   check_attention_grads(dout, q, v, out, lse);
   const AttentionInputs in(q, k, v, q_start);

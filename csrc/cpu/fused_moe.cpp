@@ -207,8 +207,8 @@ Plan make_plan(const at::Tensor& ids, int64_t E) {
   const int32_t* id = ids.const_data_ptr<int32_t>();
   p.start.assign(E + 1, 0);
   for (int64_t q = 0; q < p.N; ++q) {
-    TORCH_CHECK(id[q] >= 0 && id[q] < E, "ids must be expert ids in [0, E=", E, "), got ", id[q], " at [", q / p.k,
-                ",", q % p.k, "]");
+    TORCH_CHECK_VALUE(id[q] >= 0 && id[q] < E, "ids must be expert ids in [0, E=", E, "), got ", id[q], " at [", q / p.k,
+                      ",", q % p.k, "]");
     ++p.start[id[q] + 1];
   }
   for (int64_t e = 0; e < E; ++e) p.start[e + 1] += p.start[e];
@@ -462,10 +462,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bwd(const a
                                                                          const at::Tensor& weights,
                                                                          const at::Tensor& ids) {
   const Shapes sh = check_args(x, w_gate_up, w_down, weights, ids);
-  TORCH_CHECK(dout.sizes() == x.sizes(), "dout must have shape [T,D] = ", x.sizes(), " like x, got ", dout.sizes());
-  TORCH_CHECK(dout.scalar_type() == x.scalar_type(), "dout must have the dtype of x (", x.scalar_type(), "), got ",
-              dout.scalar_type());
-  TORCH_CHECK(dout.device() == x.device(), "dout must be on ", x.device(), " like x, got ", dout.device());
+  TORCH_CHECK_VALUE(dout.sizes() == x.sizes(), "dout must have shape [T,D] = ", x.sizes(), " like x, got ", dout.sizes());
+  TORCH_CHECK_TYPE(dout.scalar_type() == x.scalar_type(), "dout must have the dtype of x (", x.scalar_type(), "), got ",
+                   dout.scalar_type());
+  TORCH_CHECK_VALUE(dout.device() == x.device(), "dout must be on ", x.device(), " like x, got ", dout.device());
   const at::Tensor idc = ids.contiguous();
   const Plan p = make_plan(idc, sh.E);
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);

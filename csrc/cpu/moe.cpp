@@ -219,8 +219,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at
     }
   });
   for (int64_t c = 0; c < chunks; ++c) {
-    TORCH_CHECK(bad[c] < 0, "ids must be expert ids in [0, num_experts=", E, "), got ", idp[bad[c]], " at [",
-                bad[c] / k, ",", bad[c] % k, "]");
+    TORCH_CHECK_VALUE(bad[c] < 0, "ids must be expert ids in [0, num_experts=", E, "), got ", idp[bad[c]], " at [",
+                      bad[c] / k, ",", bad[c] % k, "]");
   }
 
   // Offsets: each expert's segment padded up to a multiple of align.
@@ -231,7 +231,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at
     for (int64_t e = 0; e < E; ++e) counts[e] += hist[c * E + e];
   for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + (counts[e] + align - 1) / align * align;
   const int64_t N = start[E];
-  TORCH_CHECK(N < (int64_t(1) << 31), "moe_dispatch: ", N, " sorted rows do not fit int32 offsets");
+  TORCH_CHECK_VALUE(N < (int64_t(1) << 31), "moe_dispatch: ", N, " sorted rows do not fit int32 offsets");
   for (int64_t e = 0; e <= E; ++e) op[e] = static_cast<int32_t>(start[e]);
 
   // Cursors: chunk c writes expert e's pairs after those of chunks before it.
@@ -266,7 +266,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at
   const char* src = static_cast<const char*>(xc.const_data_ptr());
   char* dst = static_cast<char*>(x_sorted.data_ptr());
   const int64_t rows_per_item = std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1));
-  parallel_dynamic((N + rows_per_item - 1) / rows_per_item, [] { return 0; }, [&](int64_t item, int&) {
+  // D = 0: nothing to copy (and an empty tensor's data pointer may be null, which memcpy must not get).
+  if (row_bytes > 0) parallel_dynamic((N + rows_per_item - 1) / rows_per_item, [] { return 0; }, [&](int64_t item, int&) {
     for (int64_t r = item * rows_per_item, r1 = std::min(N, r + rows_per_item); r < r1; ++r) {
       if (stp[r] >= 0)
         std::memcpy(dst + r * row_bytes, src + stp[r] * row_bytes, row_bytes);
@@ -295,8 +296,8 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& token_slot,
   const at::Tensor ts = token_slot.to(at::kInt).contiguous();
   const int32_t* tsp = ts.const_data_ptr<int32_t>();
   for (int64_t p = 0; p < T * k; ++p) {
-    TORCH_CHECK(tsp[p] >= 0 && tsp[p] < N, "token_slot entries must be rows of y_sorted in [0, N=", N, "), got ",
-                tsp[p], " at [", p / k, ",", p % k, "]");
+    TORCH_CHECK_VALUE(tsp[p] >= 0 && tsp[p] < N, "token_slot entries must be rows of y_sorted in [0, N=", N, "), got ",
+                      tsp[p], " at [", p / k, ",", p % k, "]");
   }
   const bool f64 = y_sorted.scalar_type() == at::kDouble || weights.scalar_type() == at::kDouble;
   const at::ScalarType acc_type = f64 ? at::kDouble : at::kFloat;

@@ -53,8 +53,8 @@ int64_t visible_keys(const int32_t* slots, int64_t topk, bool causal, int64_t po
     keys[n] = t;
     n += (t >= 0) & (t <= last);
   }
-  TORCH_CHECK(top < T && bottom >= -1, "indices entries must be -1 or key positions in [0, T=", T, "), got ",
-              top < T ? bottom : top);
+  TORCH_CHECK_VALUE(top < T && bottom >= -1, "indices entries must be -1 or key positions in [0, T=", T, "), got ",
+                    top < T ? bottom : top);
   return n;
 }
 
@@ -496,8 +496,8 @@ TORCH_LIBRARY_IMPL(glm5, CPU, m) {
 
 // No tensor argument to dispatch on: one kernel for every backend (a fact of the CPU kernel, asked from anywhere).
 std::tuple<double, double> cpu_lane_costs(int64_t group, int64_t queries) {
-  TORCH_CHECK(group >= 1, "cpu_lane_costs: group must be >= 1 (query heads per kv head), got ", group);
-  TORCH_CHECK(queries >= 1, "cpu_lane_costs: queries must be >= 1, got ", queries);
+  TORCH_CHECK_VALUE(group >= 1, "cpu_lane_costs: group must be >= 1 (query heads per kv head), got ", group);
+  TORCH_CHECK_VALUE(queries >= 1, "cpu_lane_costs: queries must be >= 1, got ", queries);
   return {lane_costs::kLaneRate, lane_costs::lane_min_density(group, queries)};
 }
 

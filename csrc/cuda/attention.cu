@@ -895,7 +895,7 @@ std::tuple<at::Tensor, at::Tensor> forward(Problem& pr, const at::Tensor& q) {
     case at::kFloat: forward_typed<float>(pr, stream); break;
     case at::kHalf: forward_typed<__half>(pr, stream); break;
     case at::kBFloat16: forward_typed<__nv_bfloat16>(pr, stream); break;
-    default: TORCH_CHECK(false, pr.op, ": q must be fp32, fp16 or bf16, got ", q.scalar_type());
+    default: TORCH_CHECK_TYPE(false, pr.op, ": q must be fp32, fp16 or bf16, got ", q.scalar_type());
   }
   return {out, lse};
 }
@@ -926,7 +926,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(Problem& pr, const at::T
       case at::kFloat: launch<bwd_simt<float>>(p, units, 1, smem, stream); break;
       case at::kHalf: launch<bwd_simt<__half>>(p, units, 1, smem, stream); break;
       case at::kBFloat16: launch<bwd_simt<__nv_bfloat16>>(p, units, 1, smem, stream); break;
-      default: TORCH_CHECK(false, pr.op, ": q must be fp32, fp16 or bf16, got ", q.scalar_type());
+      default: TORCH_CHECK_TYPE(false, pr.op, ": q must be fp32, fp16 or bf16, got ", q.scalar_type());
     }
   }
   // dk/dv: new tensors of k's / v's shape and dtype (contiguous), whatever their strides
@@ -969,7 +969,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_attention_fwd(const at::Tensor& 
                                                               double scale, bool causal,
                                                               const c10::optional<at::Tensor>& q_start) {
   check_attention_qkv(q, k, v);
-  check_block_mask(q, k, kv_num_blocks, kv_indices, block_size);
+  block_size = check_block_mask(q, k, kv_num_blocks, kv_indices, block_size);
   check_q_start(q_start, q.size(0), q.device());
   const c10::cuda::CUDAGuard guard(q.device());
   Problem pr = make_problem("block_sparse_attention_fwd", q, k, v, scale, causal, q_start);
@@ -982,7 +982,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_attention_bwd(
     const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices, const at::Tensor& out, const at::Tensor& lse,
     int64_t block_size, double scale, bool causal, const c10::optional<at::Tensor>& q_start) {
   check_attention_qkv(q, k, v);
-  check_block_mask(q, k, kv_num_blocks, kv_indices, block_size);
+  block_size = check_block_mask(q, k, kv_num_blocks, kv_indices, block_size);
   check_attention_grads(dout, q, v, out, lse);
   check_q_start(q_start, q.size(0), q.device());
   const c10::cuda::CUDAGuard guard(q.device());

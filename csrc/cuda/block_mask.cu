@@ -152,13 +152,13 @@ std::tuple<at::Tensor, at::Tensor> block_topk_mask(const at::Tensor& q_in, const
                                                    int64_t topk_blocks, bool causal, int64_t sink_blocks,
                                                    int64_t local_blocks, c10::string_view pooling,
                                                    const c10::optional<at::Tensor>& q_start) {
-  check_block_topk_args(q_in, k_in, block_size, topk_blocks, sink_blocks, local_blocks, pooling);
+  const int64_t bs = check_block_topk_args(q_in, k_in, block_size, topk_blocks, sink_blocks, local_blocks, pooling);
   check_q_start(q_start, q_in.size(0), q_in.device());
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous();
   const int64_t B = q.size(0), S = q.size(1), H = q.size(2), D = q.size(3), T = k.size(1), Hkv = k.size(2);
-  const int64_t G = H / Hkv, bs = block_size, Qb = ceil_div(S, bs), Kb = ceil_div(T, bs);
-  const int64_t width = std::min(Kb, sink_blocks + local_blocks + topk_blocks);
+  const int64_t G = H / Hkv, Qb = ceil_div(S, bs), Kb = ceil_div(T, bs);
+  const int64_t width = block_topk_width(Kb, topk_blocks, sink_blocks, local_blocks);
   const auto i32 = q.options().dtype(at::kInt);
   at::Tensor num = at::empty({B, H, Qb}, i32);
   at::Tensor idx = at::empty({B, H, Qb, width}, i32);
@@ -194,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> block_topk_mask(const at::Tensor& q_in, const
             static_cast<const __nv_bfloat16*>(x.const_data_ptr()), out.data_ptr<float>(), x.size(0), x.size(1),
             x.size(2), x.size(3), bs, mode);
         break;
-      default: TORCH_CHECK(false, "q must be fp32, fp16 or bf16, got ", x.scalar_type());
+      default: TORCH_CHECK_TYPE(false, "q must be fp32, fp16 or bf16, got ", x.scalar_type());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };

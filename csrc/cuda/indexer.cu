@@ -351,7 +351,7 @@ void run_scores(const Inputs& in, bool causal, int64_t b0, int64_t nb, int64_t s
         set_smem_limit<__nv_bfloat16>();
         scores_kernel<__nv_bfloat16><<<grid, kThreads, kSmemBytes, stream>>>(p, off);
         break;
-      default: TORCH_CHECK(false, "q must be fp32, fp16 or bf16, got ", in.q.scalar_type());
+      default: TORCH_CHECK_TYPE(false, "q must be fp32, fp16 or bf16, got ", in.q.scalar_type());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

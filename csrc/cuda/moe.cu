@@ -199,11 +199,12 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
   // above 48 KiB, an error past the device's limit (E > ~3600 on an H200).
   const int64_t per_warp = (2 * E + n_group) * int64_t(sizeof(float));
   const int64_t limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  TORCH_CHECK(per_warp <= limit, "moe_route on CUDA keeps a token's E scores in shared memory: E=", E,
-              " needs ", per_warp, " bytes, over the device's ", limit);
+  TORCH_CHECK_NOT_IMPLEMENTED(per_warp <= limit, "moe_route on CUDA keeps a token's E scores in shared memory: E=", E,
+                              " needs ", per_warp, " bytes, over the device's ", limit);
   const int64_t smem = per_warp * kWarpsPerBlock;
-  TORCH_CHECK(smem <= limit, "moe_route on CUDA: E=", E, " needs ", smem, " bytes of shared memory per block of ",
-              kWarpsPerBlock, " tokens, over the device's ", limit);
+  TORCH_CHECK_NOT_IMPLEMENTED(smem <= limit, "moe_route on CUDA: E=", E, " needs ", smem,
+                              " bytes of shared memory per block of ", kWarpsPerBlock, " tokens, over the device's ",
+                              limit);
   if (smem > 48 * 1024)
     C10_CUDA_CHECK(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
@@ -349,12 +350,12 @@ Plan make_plan(const at::Tensor& ids_in, int64_t E, int64_t align) {
   const int64_t first_bad = hp[E + 1];
   if (first_bad < P) {
     const int64_t v = ids.view({-1}).narrow(0, first_bad, 1).cpu().item<int64_t>();
-    TORCH_CHECK(false, "ids must be expert ids in [0, num_experts=", E, "), got ", v, " at [", first_bad / k, ",",
-                first_bad % k, "]");
+    TORCH_CHECK_VALUE(false, "ids must be expert ids in [0, num_experts=", E, "), got ", v, " at [", first_bad / k, ",",
+                      first_bad % k, "]");
   }
   Plan plan;
   plan.N = hp[E];
-  TORCH_CHECK(plan.N < (int64_t(1) << 31), "moe_dispatch: ", plan.N, " sorted rows do not fit int32 offsets");
+  TORCH_CHECK_VALUE(plan.N < (int64_t(1) << 31), "moe_dispatch: ", plan.N, " sorted rows do not fit int32 offsets");
   plan.host_offsets.assign(hp, hp + E + 1);
   plan.offsets = offsets64.to(at::kInt);
   // Chunk c writes expert e's pairs after those of the chunks before it.
@@ -433,8 +434,8 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& token_slot,
     const at::Tensor bad = ((ts < 0) | (ts >= N)).flatten().nonzero();
     if (bad.size(0) > 0) {
       const int64_t p = bad[0].item<int64_t>();
-      TORCH_CHECK(false, "token_slot entries must be rows of y_sorted in [0, N=", N, "), got ",
-                  ts.flatten()[p].item<int64_t>(), " at [", p / ts.size(1), ",", p % ts.size(1), "]");
+      TORCH_CHECK_VALUE(false, "token_slot entries must be rows of y_sorted in [0, N=", N, "), got ",
+                        ts.flatten()[p].item<int64_t>(), " at [", p / ts.size(1), ",", p % ts.size(1), "]");
     }
   }
   return combine(y_sorted.contiguous(), ts, weights);
@@ -445,8 +446,8 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& token_slot,
 bool grouped_gemm_wanted(const at::Tensor& a, const at::Tensor& w3) {
   const char* env = std::getenv("GLM5_MOE_GEMM");
   const std::string mode = env ? env : "";
-  TORCH_CHECK(mode.empty() || mode == "loop" || mode == "grouped", "GLM5_MOE_GEMM must be 'loop' or 'grouped', got '",
-              mode, "'");
+  TORCH_CHECK_VALUE(mode.empty() || mode == "loop" || mode == "grouped", "GLM5_MOE_GEMM must be 'loop' or 'grouped', got '",
+                    mode, "'");
   if (mode == "loop") return false;
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   // bf16 only, 16-byte aligned pointers and row strides (every dim a multiple
@@ -455,9 +456,9 @@ bool grouped_gemm_wanted(const at::Tensor& a, const at::Tensor& w3) {
   const bool ok = GLM5_HAS_GROUPED_MM && prop->major >= 9 && a.scalar_type() == at::kBFloat16 &&
                   a.size(1) % 8 == 0 && w3.size(1) % 8 == 0 && w3.size(2) % 8 == 0 && w3.size(0) < 1024 &&
                   aligned16(a) && aligned16(w3);
-  TORCH_CHECK(ok || mode != "grouped", "GLM5_MOE_GEMM=grouped: torch's grouped GEMM needs bf16 on sm90+ with dims "
-              "that are multiples of 8, 16-byte aligned data and E < 1024 (got ", a.scalar_type(), ", sm",
-              prop->major, prop->minor, ", K=", a.size(1), ", W ", w3.sizes(), ")");
+  TORCH_CHECK_VALUE(ok || mode != "grouped", "GLM5_MOE_GEMM=grouped: torch's grouped GEMM needs bf16 on sm90+ with dims "
+                    "that are multiples of 8, 16-byte aligned data and E < 1024 (got ", a.scalar_type(), ", sm",
+                    prop->major, prop->minor, ", K=", a.size(1), ", W ", w3.sizes(), ")");
   return ok;
 }
 
@@ -598,10 +599,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_moe_bwd(
     const at::Tensor& dout_in, const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& w_down_in,
     const at::Tensor& weights, const at::Tensor& ids) {
   check_fused_moe_args(x_in, w_gate_up_in, w_down_in, weights, ids);
-  TORCH_CHECK(dout_in.sizes() == x_in.sizes(), "dout must have shape [T,D] = ", x_in.sizes(), " like x, got ",
-              dout_in.sizes());
-  TORCH_CHECK(is_moe_float(dout_in.scalar_type()) && dout_in.device() == x_in.device(),
-              "dout must be a float tensor on ", x_in.device());
+  TORCH_CHECK_VALUE(dout_in.sizes() == x_in.sizes(), "dout must have shape [T,D] = ", x_in.sizes(), " like x, got ",
+                    dout_in.sizes());
+  TORCH_CHECK_VALUE(is_moe_float(dout_in.scalar_type()) && dout_in.device() == x_in.device(),
+                    "dout must be a float tensor on ", x_in.device());
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), w_gate_up = w_gate_up_in.contiguous(), w_down = w_down_in.contiguous();
   const at::Tensor dout = dout_in.to(x.scalar_type()).contiguous();

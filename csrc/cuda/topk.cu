@@ -355,7 +355,7 @@ void launch_topk(at::ScalarType dtype, const TopkRows& m, int64_t rows, bool sor
     case at::kFloat: launch_typed<float>(m, rows, sort, stream); break;
     case at::kHalf: launch_typed<__half>(m, rows, sort, stream); break;
     case at::kBFloat16: launch_typed<__nv_bfloat16>(m, rows, sort, stream); break;
-    default: TORCH_CHECK(false, "scores must be fp32, fp16 or bf16, got ", dtype);
+    default: TORCH_CHECK_TYPE(false, "scores must be fp32, fp16 or bf16, got ", dtype);
   }
 }
 

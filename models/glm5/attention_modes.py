@@ -41,12 +41,13 @@ def register_attention_mode(name: str):
     return register
 
 
-def attention_mode(mode) -> AttentionMode:
-    """The mode named `mode` (a registered name), or `mode` itself if already an AttentionMode."""
+def attention_mode(mode, name: str = "attn") -> AttentionMode:
+    """The mode named `mode` (a registered name), or `mode` itself if already an AttentionMode.
+    `name`: the argument it came in as, for the error message."""
     if isinstance(mode, AttentionMode):
         return mode
-    if mode not in ATTENTION_MODES:
-        raise ValueError(f"attention mode must be one of the registered modes {sorted(ATTENTION_MODES)}, "
+    if not isinstance(mode, str) or mode not in ATTENTION_MODES:
+        raise ValueError(f"{name} must be one of the registered attention modes {sorted(ATTENTION_MODES)}, "
                          f"got {mode!r}")
     return ATTENTION_MODES[mode]()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 import glm5_ops
+from glm5_ops._checks import INT32_MAX, int_in_range
 
 from .config import GLM5Config
 
@@ -27,9 +28,16 @@ from .config import GLM5Config
 class PagedCache:
     def __init__(self, config: GLM5Config, batch: int, max_tokens: int, *, page_size: int = 64,
                  dtype=torch.float32, device="cpu"):
-        if batch < 1 or max_tokens < 1 or page_size < 1:
-            raise ValueError(f"batch, max_tokens and page_size must be >= 1, got {batch}, {max_tokens}, {page_size}")
         c = config
+        # Bounds the sizes imply, so one huge int cannot allocate the cache: no position is past
+        # max_position_embeddings, a page larger than that holds nothing more, and slot ids are int32.
+        int_in_range(batch, "batch", 1, INT32_MAX)
+        int_in_range(max_tokens, "max_tokens", 1, c.max_position_embeddings)
+        int_in_range(page_size, "page_size", 1, c.max_position_embeddings)
+        slots = batch * -(-max_tokens // page_size) * page_size
+        if slots > INT32_MAX:
+            raise ValueError(f"batch, max_tokens and page_size must give batch * pages * page_size < 2^31 int32 slot "
+                             f"ids, got batch={batch}, max_tokens={max_tokens}, page_size={page_size}")
         self.config, self.batch, self.page_size, self.max_tokens = c, batch, page_size, max_tokens
         self.num_main_layers = c.num_hidden_layers
         layers = c.num_hidden_layers + c.num_nextn_predict_layers
@@ -50,7 +58,8 @@ class PagedCache:
             raise ValueError(f"this cache holds batch {self.batch}, got input of batch {B}")
         start = self.mtp_length if mtp else self.length
         if start + S > self.max_tokens:
-            raise ValueError(f"cache full: {start} + {S} tokens exceed max_tokens={self.max_tokens}")
+            raise ValueError(f"cache full: the {start} tokens held plus the {S} of input_ids must fit max_tokens="
+                             f"{self.max_tokens}, got {start + S} tokens")
         self._allocate(start + S)
         self._step = (start, S)
         # logical position -> physical slot, with a leading -1 so that slot ids

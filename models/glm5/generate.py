@@ -10,19 +10,24 @@ proposes; a better drafter only raises the acceptance length.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from glm5_ops._checks import INT32_MAX, int_in_range
 
-def _check_prompt(model, input_ids, max_new_tokens: int):
+
+def _check_prompt(model, input_ids, max_new_tokens: int, prefill_chunk):
+    int_in_range(prefill_chunk, "prefill_chunk", 1, INT32_MAX)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     model._check_ids(input_ids, 0)
     total = input_ids.shape[1] + max_new_tokens
     if total > model.config.max_position_embeddings:
-        raise ValueError(f"prompt ({input_ids.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_position_embeddings={model.config.max_position_embeddings}")
+        raise ValueError(f"input_ids and max_new_tokens must fit max_position_embeddings="
+                         f"{model.config.max_position_embeddings}, got a prompt of {input_ids.shape[1]} + "
+                         f"{max_new_tokens} new tokens")
 
 
 def sample_next(logits, *, do_sample: bool, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -31,8 +36,7 @@ def sample_next(logits, *, do_sample: bool, temperature: float = 1.0, top_k: int
     temperature-scaled distribution cut to its top_k / top_p nucleus."""
     if not do_sample:
         return logits.argmax(-1)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    _check_sampling(temperature, top_k, top_p)
     logits = logits.float() / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -45,6 +49,18 @@ def sample_next(logits, *, do_sample: bool, temperature: float = 1.0, top_k: int
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
+def _check_sampling(temperature, top_k, top_p) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be a finite float > 0 when sampling, got {temperature}")
+    int_in_range(top_k, "top_k", 0, INT32_MAX)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+        raise TypeError(f"top_p must be a float, got {type(top_p).__name__}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, eos_token_id=None, generator=None,
@@ -52,7 +68,9 @@ def generate(model, input_ids, max_new_tokens: int, *, do_sample: bool = False, 
     """input_ids [B, n] -> [B, n + max_new_tokens]. Sequences that emit
     eos_token_id keep emitting it (the batch runs until all are done or the
     budget is spent; the result is padded with eos)."""
-    _check_prompt(model, input_ids, max_new_tokens)
+    _check_prompt(model, input_ids, max_new_tokens, prefill_chunk)
+    if do_sample:
+        _check_sampling(temperature, top_k, top_p)
     B, n = input_ids.shape
     cache = model.new_cache(B, n + max_new_tokens, page_size=page_size)
     logits, _ = model.prefill(input_ids, cache, chunk=prefill_chunk)
@@ -99,9 +117,11 @@ def speculative_generate(model, input_ids, max_new_tokens: int, *, prefill_chunk
     """Greedy decoding with MTP drafting one token per step.
     Returns (tokens [B, n + max_new_tokens], SpeculativeStats). With B > 1 a
     draft is kept only when every sequence accepts it (the batch stays in step)."""
-    _check_prompt(model, input_ids, max_new_tokens)
+    _check_prompt(model, input_ids, max_new_tokens, prefill_chunk)
     B, n = input_ids.shape
-    cache = model.new_cache(B, n + max_new_tokens + 2, page_size=page_size)
+    # No position is past max_position_embeddings (the forward checks it), so no cache needs more.
+    cache = model.new_cache(B, min(n + max_new_tokens + 2, model.config.max_position_embeddings),
+                            page_size=page_size)
     logits, hidden = model.prefill(input_ids, cache, chunk=prefill_chunk)
     last = logits.argmax(-1)                                    # token n
     new = [last]

@@ -29,6 +29,7 @@ import contextlib
 import torch
 from torch import nn
 
+from glm5_ops._checks import INT32_MAX, int_in_range
 from glm5_ops.nvtx import nvtx_range
 
 from .attention_modes import DEFAULT_ATTENTION, AttentionMode, attention_mode
@@ -184,7 +185,7 @@ class GLM5ForCausalLM(nn.Module):
     def attention(self, mode: str | AttentionMode):
         """Runs the block with attention mode `mode` (a registered name or an
         AttentionMode); the previous mode comes back afterwards, even on an exception."""
-        previous, self.attention_mode = self.attention_mode, attention_mode(mode)
+        previous, self.attention_mode = self.attention_mode, attention_mode(mode, "mode")
         try:
             yield self
         finally:
@@ -202,26 +203,33 @@ class GLM5ForCausalLM(nn.Module):
         return PagedCache(self.config, batch, max_tokens, page_size=page_size, dtype=p.dtype, device=p.device)
 
     # -- forward ---------------------------------------------------------------
-    def _check_ids(self, input_ids, start: int):
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-            raise ValueError(f"input_ids must be an integer tensor [B, S], got "
-                             f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+    @staticmethod
+    def _check_ids_type(input_ids, name: str = "input_ids"):
+        """Rank and dtype, before anything unpacks the shape."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+                or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor [B, S], got "
+                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+
+    def _check_ids(self, input_ids, start: int, name: str = "input_ids"):
+        self._check_ids_type(input_ids, name)
         if input_ids.numel() == 0:
-            raise ValueError("input_ids is empty")
+            raise ValueError(f"{name} must hold at least one token, got shape {tuple(input_ids.shape)}")
         V = self.config.vocab_size
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= V:
-            raise ValueError(f"input_ids must be token ids in [0, vocab_size={V}), got values in [{lo}, {hi}]")
+            raise ValueError(f"{name} must be token ids in [0, vocab_size={V}), got values in [{lo}, {hi}]")
         end = start + input_ids.shape[1]
         if end > self.config.max_position_embeddings:
-            raise ValueError(f"sequence of {end} tokens exceeds max_position_embeddings="
-                             f"{self.config.max_position_embeddings}")
+            raise ValueError(f"{name} must end within max_position_embeddings={self.config.max_position_embeddings} "
+                             f"positions, got a sequence of {end} tokens ({start} held + {input_ids.shape[1]})")
 
     def hidden_states(self, input_ids, cache=None):
         """Final normed hidden states [B,S,hidden] (the LM head's and MTP's input)."""
-        B, S = input_ids.shape
         start = 0 if cache is None else cache.length
         self._check_ids(input_ids, start)
+        B, S = input_ids.shape
         if cache is not None:
             cache.begin(B, S)
         with nvtx_range("embed"):
@@ -242,6 +250,7 @@ class GLM5ForCausalLM(nn.Module):
 
     def forward(self, input_ids, cache=None, logits_to_keep: int = 0):
         """logits [B,S,V] (the last `logits_to_keep` positions when > 0)."""
+        int_in_range(logits_to_keep, "logits_to_keep", 0, INT32_MAX)
         hidden = self.hidden_states(input_ids, cache)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
@@ -255,10 +264,11 @@ class GLM5ForCausalLM(nn.Module):
         if not len(self.model.mtp):
             raise RuntimeError("this model has no MTP layer (config.num_nextn_predict_layers == 0, or the "
                                "checkpoint did not contain one)")
+        int_in_range(logits_to_keep, "logits_to_keep", 0, INT32_MAX)
         mtp = self.model.mtp[depth]
-        B, S = next_ids.shape
         start = 0 if cache is None else cache.mtp_length
-        self._check_ids(next_ids, start)
+        self._check_ids(next_ids, start, "next_ids")
+        B, S = next_ids.shape
         with nvtx_range("mtp"):
             e = mtp.enorm(self.model.embed_tokens(next_ids))
             x = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden)], dim=-1))
@@ -277,8 +287,8 @@ class GLM5ForCausalLM(nn.Module):
         """Feeds input_ids through the cache `chunk` tokens at a time (memory
         O(chunk), the same result as one call); returns the last position's
         logits [B,V] and the final hidden states of every position."""
-        if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        int_in_range(chunk, "chunk", 1, INT32_MAX)
+        self._check_ids_type(input_ids)
         hiddens = []
         for s in range(0, input_ids.shape[1], chunk):
             hiddens.append(self.hidden_states(input_ids[:, s:s + chunk], cache))

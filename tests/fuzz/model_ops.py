@@ -69,7 +69,7 @@ def speculative_generate(draw, d, raw):
 
 def new_cache(draw, d, raw):
     return [_attn(draw), Arg("batch", draw(st.integers(1, 3)), "int"),
-            Arg("max_tokens", draw(st.integers(1, 200)), "int"),
+            Arg("max_tokens", draw(st.integers(1, MAX_POS)), "int"),   # the cache holds at most MAX_POS
             Arg("page_size", draw(st.sampled_from([64, 1, 7])), "int", True)]
 
 
