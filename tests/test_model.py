@@ -18,7 +18,7 @@ import glm5_ops
 from models.glm5 import GLM5Config, GLM5ForCausalLM, preset
 from models.glm5.generate import generate, speculative_generate
 
-transformers = pytest.importorskip("transformers", reason="parity tests need transformers (requirements.txt)")
+transformers = pytest.importorskip("transformers", reason="parity tests need transformers (the hf extra: pip install -e .[hf])")
 
 PARITY_TOL = 1e-4          # of the largest logit magnitude
 PARITY_FRACTION = 0.999    # of positions
