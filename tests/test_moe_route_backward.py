@@ -1,7 +1,7 @@
 """moe_route's backward on every backend ("cpp" and "triton": the autograd
 registered on their ops; "reference": autograd through the oracle): gradients
 of the weights in h and gate_w against the router formula the model
-differentiates (models/glm5/model.py MoE._differentiable_weights) in float64,
+used to re-derive before it called this backward (_formula below) in float64,
 finite differences, and no gradient for bias."""
 import pytest
 import torch
@@ -19,12 +19,14 @@ ROUTERS = [  # (E, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_
 
 def _inputs(T, D, E, dtype, separated=False):
     """h [2, T//2, D] (the op flattens leading dims), gate_w [E, D], bias [E].
-    separated: bias steps of 1 fix the choice (sigmoid is in (0, 1)), so small
-    perturbations of h and gate_w never change ids."""
+    separated: distinct powers of two as bias fix the choice (sigmoid is in
+    (0, 1)), so small perturbations of h and gate_w never change ids: every
+    expert's and every group's top-2 sum differ by >= 1 (steps of 1 let two
+    groups' sums tie, and then sigmoid decided the group: a flaky gradcheck)."""
     h = fresh(2, T // 2, D, dtype=dtype).requires_grad_()
     gate_w = fresh(E, D, scale=D ** -0.5).requires_grad_()
     if separated:
-        bias = torch.randperm(E).to(DEVICE, torch.float32)
+        bias = (2.0 ** torch.randperm(E)).to(DEVICE, torch.float32)
     else:
         bias = fresh(E, scale=0.05)
     return h, gate_w, bias.requires_grad_()
