@@ -32,7 +32,7 @@ import math
 import operator
 import weakref
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
