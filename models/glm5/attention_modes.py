@@ -139,7 +139,7 @@ class DSAttention(AttentionMode):
 
     @staticmethod
     def every_key(attn, S, ctx) -> bool:
-        return ctx.q_start + S <= attn.config.index_topk
+        return ctx.end <= attn.config.index_topk
 
     def expanded(self, attn, S, ctx):
         if S < plan.EXPANDED_MIN_QUERIES:
@@ -147,7 +147,7 @@ class DSAttention(AttentionMode):
         # A selection that still covers much of the context attends expanded
         # too, where the kernel makes that cheaper: same selection, same result.
         return self.every_key(attn, S, ctx) or plan.dsa_expanded_is_cheaper(
-            ctx.device, S, ctx.q_start, attn.config.index_topk, kv_lora=attn.kv_lora, nope=attn.nope,
+            ctx.device, S, ctx.end - S, attn.config.index_topk, kv_lora=attn.kv_lora, nope=attn.nope,
             rope=attn.rope_dim, v_dim=attn.v_dim)
 
     def index_key(self, attn, x, ctx):
@@ -176,7 +176,7 @@ class DSAttention(AttentionMode):
             # causal mask drops the future): no need to score them.
             with nvtx_range(f"layer{i}/attn/topk"):
                 keys = torch.arange(T, dtype=torch.int32, device=step.x.device)
-                return torch.where(ctx.causal_mask(T), keys, -1)[None].expand(B, S, T)
+                return torch.where(ctx.causal_mask(T), keys, -1).expand(B, S, T)
         with nvtx_range(f"layer{i}/attn/indexer"):
             qi, wi = attn.indexer.query(step.x, step.q_resid, ctx.cos, ctx.sin)
             qi = qi.to(step.index_keys.dtype)

@@ -91,21 +91,36 @@ class MLAttention(nn.Module):
         self._lifted = (None, None)   # (weight version, [[W_UK, 0], [0, I]]): see lifted_w_uk
 
     def forward(self, x, ctx, prev_selection):
-        """x [B,S,hidden] -> (out [B,S,hidden], selection for a following shared layer)."""
-        i, mode = self.layer_idx, ctx.mode
-        expanded = mode.expanded(self, x.shape[1], ctx)
+        """x [B,S,hidden] (or several segments packed as [1,N,hidden]: see
+        model.ForwardContext) -> (out like x, each segment's selection for a
+        following shared layer)."""
+        i = self.layer_idx
         with nvtx_range(f"layer{i}/attn/proj"):
             q_nope, q_rot, q_resid, kv = self.project(x, ctx.cos, ctx.sin)
-            q = None if expanded else self.absorb_queries(q_nope, q_rot, ctx.workspace)
-        step = AttentionStep(x, q_nope, q_rot, q_resid, q, expanded)
-        index_key = mode.index_key(self, x, ctx)
-        step.keys, step.index_keys = ctx.store(i, kv, index_key, need_keys=mode.needs_keys(step))
-        selection = mode.select(self, step, prev_selection, ctx)
-        ctx.record_selection(i, selection)
-        with nvtx_range(f"layer{i}/attn/core"):
-            out = mode.attend(self, step, selection, ctx)    # [B,S,H,v] expanded, [B,S,H,C] absorbed
+        prev_selection = prev_selection or [None] * len(ctx.segments)
+        outs, selections = [], []
+        for seg, prev in zip(ctx.segments, prev_selection):
+            out, selection = self.attend(seg, *map(seg.take, (x, q_nope, q_rot, q_resid, kv)), prev)
+            outs.append(out)
+            selections.append(selection)
         with nvtx_range(f"layer{i}/attn/out"):
-            return self.output(out, expanded), selection
+            return self.o_proj(ctx.join(outs)), selections
+
+    def attend(self, seg, x, q_nope, q_rot, q_resid, kv, prev_selection):
+        """One segment's attention, all [B,S,...]: -> (heads' outputs [B,S,H*v], selection)."""
+        i, mode = self.layer_idx, seg.mode
+        expanded = mode.expanded(self, x.shape[1], seg)
+        with nvtx_range(f"layer{i}/attn/proj"):
+            q = None if expanded else self.absorb_queries(q_nope, q_rot, seg.workspace)
+        step = AttentionStep(x, q_nope, q_rot, q_resid, q, expanded)
+        index_key = mode.index_key(self, x, seg)
+        step.keys, step.index_keys = seg.store(i, kv, index_key, need_keys=mode.needs_keys(step))
+        selection = mode.select(self, step, prev_selection, seg)
+        seg.record_selection(i, selection)
+        with nvtx_range(f"layer{i}/attn/core"):
+            out = mode.attend(self, step, selection, seg)    # [B,S,H,v] expanded, [B,S,H,C] absorbed
+        with nvtx_range(f"layer{i}/attn/out"):
+            return self.heads_output(out, expanded), selection
 
     def project(self, x, cos, sin):
         """The projections every mode shares: q_nope [B,S,H,nope], q_rot
@@ -160,9 +175,10 @@ class MLAttention(nn.Module):
                       out=workspace.out("expanded_k", (B, H, T, n + r), keys))
         return joined(q_nope, q_rot), k.transpose(1, 2), v.transpose(1, 2)
 
-    def output(self, out, expanded: bool):
-        """o_proj of the heads' outputs: [B,S,H,v] (expanded) or [B,S,H,C] (absorbed, through W_UV)."""
+    def heads_output(self, out, expanded: bool):
+        """The heads' outputs as o_proj's input [B,S,H*v], from [B,S,H,v] (expanded)
+        or [B,S,H,C] (absorbed, through W_UV)."""
         B, S = out.shape[:2]
         if not expanded:
             out = torch.einsum("bshc,hvc->bshv", out, self._absorb()[1])
-        return self.o_proj(out.reshape(B, S, self.n_heads * self.v_dim))
+        return out.reshape(B, S, self.n_heads * self.v_dim)

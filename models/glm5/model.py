@@ -25,6 +25,7 @@ docs/ARCHITECTURE.md, "NVTX ranges" (layer{i}/attn/indexer, layer{i}/moe/experts
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from torch import nn
 from glm5_ops._checks import INT32_MAX, int_in_range
 from glm5_ops.nvtx import nvtx_range
 
+from .cache import CacheView
 from .attention_modes import DEFAULT_ATTENTION, AttentionMode, attention_mode
 from .config import GLM5Config
 from .layers import MLP, RMSNorm, rope_cos_sin
@@ -81,31 +83,91 @@ class MTPLayer(nn.Module):
         self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class ForwardContext:
-    """What one forward shares across layers: positions, rope tables, the
-    attention mode, the cache (if any), the workspace (buffers reused by every
-    layer), and what profiling may inspect."""
+@dataclass
+class Segment:
+    """B sequences of one forward with S new tokens each, sequence b's at
+    positions start[b] .. start[b] + S - 1 (start: an int shared by all, or an
+    int64 [B] tensor), read and written through cache (a CacheView, or None)."""
+    B: int
+    S: int
+    start: int | torch.Tensor = 0
+    cache: CacheView | None = None
 
-    def __init__(self, model, B, S, q_start, cache, dtype, device):
+    @property
+    def end(self) -> int:
+        """One past the last position of the longest sequence: the keys the segment reads."""
+        return (self.start if isinstance(self.start, int) else int(self.start.max())) + self.S
+
+
+class ForwardContext:
+    """What one forward shares across layers: the rope tables of its tokens,
+    the attention mode, its segments, and what profiling may inspect.
+
+    One forward may pack several segments (the serving engine: the decodes of
+    many sequences at different lengths, and prefill chunks) as x [1, N,
+    hidden], N = sum of B * S. Everything but attention is per token and runs
+    on all N at once (each weight read once per forward); attention runs per
+    segment on its [B, S] view. A forward of one segment (x [B, S, hidden])
+    is the same code with views that are the whole tensors."""
+
+    def __init__(self, model, positions, segments: list[Segment], dtype):
         c = model.config
-        self.mode, self.fused, self.block_size = model.attention_mode, model.fused, model.block_size
-        self.cache, self.q_start, self.S, self.device = cache, q_start, S, device
-        self._mask = None
-        positions = (q_start + torch.arange(S, device=device))[None].expand(B, S)
+        self.model, self.mode, self.fused, self.block_size = model, model.attention_mode, model.fused, model.block_size
         self.cos, self.sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, dtype)
-        self.model = model
+        if len(segments) == 1 and positions.shape[0] == segments[0].B:
+            self.segments = [SegmentContext(self, segments[0], None)]
+        else:
+            offsets = [0]
+            for seg in segments:
+                offsets.append(offsets[-1] + seg.B * seg.S)
+            self.segments = [SegmentContext(self, seg, slice(lo, hi))
+                             for seg, lo, hi in zip(segments, offsets, offsets[1:])]
+
+    def join(self, per_segment: list[torch.Tensor]) -> torch.Tensor:
+        """The segments' [B,S,...] results as one tensor laid out like the forward's x."""
+        if self.segments[0].rows is None:
+            return per_segment[0]
+        return torch.cat([t.reshape(1, -1, *t.shape[2:]) for t in per_segment], dim=1)
+
+    def record_routing(self, layer, ids):
+        if self.model.record:
+            self.model.last_routing[layer] = ids
+
+
+class SegmentContext:
+    """What an attention mode sees of one segment: its sequences' start
+    positions (q_start), rope tables, cache view, masks and workspace (the
+    buffers its layers reuse)."""
+
+    def __init__(self, fwd: ForwardContext, seg: Segment, rows: slice | None):
+        self.model, self.mode, self.fused, self.block_size = fwd.model, fwd.mode, fwd.fused, fwd.block_size
+        self.rows, self.B, self.S, self.q_start, self.cache, self.end = rows, seg.B, seg.S, seg.start, seg.cache, seg.end
+        self.cos, self.sin = self.take(fwd.cos), self.take(fwd.sin)
+        self.device = self.cos.device
         self.workspace = Workspace()
+        self._mask = None
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """This segment's [B, S, ...] view of a per-token tensor of the forward."""
+        if self.rows is None:
+            return t
+        return t[0, self.rows].view(self.B, self.S, *t.shape[2:])
 
     def causal_mask(self, T: int):
-        """[S, T] bool, key t visible to query s (t <= q_start + s); built once per forward."""
-        if self._mask is None or self._mask.shape[1] != T:
-            pos_q = self.q_start + torch.arange(self.S, device=self.device)
-            self._mask = torch.arange(T, device=self.device)[None, :] <= pos_q[:, None]
+        """Bool, key t visible to query s (t <= q_start + s): [S, T], or [B, S, T]
+        when the sequences start at different positions; built once per forward."""
+        if self._mask is None or self._mask.shape[-1] != T:
+            start = self.q_start if isinstance(self.q_start, int) else self.q_start[:, None]
+            pos_q = start + torch.arange(self.S, device=self.device)
+            self._mask = torch.arange(T, device=self.device) <= pos_q[..., None]
         return self._mask
 
     def sdpa_mask(self, T: int):
         """(attn_mask, is_causal) for SDPA: its own causal flag when the queries are all T keys."""
-        return (None, True) if self.S == T and self.q_start == 0 else (self.causal_mask(T), False)
+        if self.S == T and isinstance(self.q_start, int) and self.q_start == 0:
+            return None, True
+        mask = self.causal_mask(T)
+        return (mask if mask.dim() == 2 else mask[:, None]), False
 
     def store(self, layer, kv, index_key, *, need_keys: bool):
         """Adds this step's latent keys (and indexer keys) and returns all keys
@@ -116,12 +178,8 @@ class ForwardContext:
         return self.cache.write(layer, kv, index_key, gather_keys=need_keys)
 
     def record_selection(self, layer, selection):
-        if self.model.record:
+        if self.model.record and self.rows is None:
             self.model.last_selection[layer] = selection
-
-    def record_routing(self, layer, ids):
-        if self.model.record:
-            self.model.last_routing[layer] = ids
 
 
 class GLM5Model(nn.Module):
@@ -230,19 +288,36 @@ class GLM5ForCausalLM(nn.Module):
         start = 0 if cache is None else cache.length
         self._check_ids(input_ids, start)
         B, S = input_ids.shape
+        view = None if cache is None else cache.begin(B, S)
+        positions = (start + torch.arange(S, device=input_ids.device))[None].expand(B, S)
+        x = self._layers(input_ids, positions, [Segment(B, S, start, view)])
         if cache is not None:
-            cache.begin(B, S)
+            cache.commit(S)
+        return x
+
+    def packed_hidden_states(self, input_ids, positions, segments: list[Segment]):
+        """One forward over several segments packed as input_ids [1, N] (each
+        segment's B x S tokens, sequence by sequence) with their positions [1, N]:
+        the serving engine's step (decodes at different lengths and prefill
+        chunks together). Returns the final normed hidden states [1, N, hidden]."""
+        self._check_ids(input_ids, 0)
+        if input_ids.shape[0] != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"packed input_ids and positions must both be [1, N], got {tuple(input_ids.shape)} "
+                             f"and {tuple(positions.shape)}")
+        if not segments or sum(seg.B * seg.S for seg in segments) != input_ids.shape[1]:
+            raise ValueError(f"segments must cover the {input_ids.shape[1]} packed tokens, got "
+                             f"{sum(seg.B * seg.S for seg in segments)}")
+        return self._layers(input_ids, positions, segments)
+
+    def _layers(self, input_ids, positions, segments):
         with nvtx_range("embed"):
             x = self.model.embed_tokens(input_ids)
-        ctx = ForwardContext(self, B, S, start, cache, x.dtype, x.device)
+        ctx = ForwardContext(self, positions, segments, x.dtype)
         selection = None
         for layer in self.model.layers:
             x, selection = layer(x, ctx, selection)
         with nvtx_range("norm"):
-            x = self.model.norm(x)
-        if cache is not None:
-            cache.commit(S)
-        return x
+            return self.model.norm(x)
 
     def logits(self, hidden):
         with nvtx_range("lm_head"):
@@ -272,9 +347,9 @@ class GLM5ForCausalLM(nn.Module):
         with nvtx_range("mtp"):
             e = mtp.enorm(self.model.embed_tokens(next_ids))
             x = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden)], dim=-1))
-            if cache is not None:
-                cache.begin(B, S, mtp=True)
-            ctx = ForwardContext(self, B, S, start, cache, x.dtype, x.device)
+            view = None if cache is None else cache.begin(B, S, mtp=True)
+            positions = (start + torch.arange(S, device=x.device))[None].expand(B, S)
+            ctx = ForwardContext(self, positions, [Segment(B, S, start, view)], x.dtype)
             x, _ = mtp.layer(x, ctx, None)
             if cache is not None:
                 cache.commit(S, mtp=True)
