@@ -1,0 +1,269 @@
+"""Which tokens of which requests the engine computes next, in the style of vLLM's V1 scheduler.
+
+There is no prefill or decode phase: each step, every request gets a chunk of
+the tokens it still has to compute (num_tokens - num_computed_tokens); a
+decode is a chunk of one. Running requests come first, in admission order,
+then waiting ones, first come first served, while the step's token budget
+and sequence slots last. When the pool runs out of pages, the last admitted
+running request is preempted: its pages are freed and it is recomputed later
+from its prompt and the tokens it has generated so far.
+
+policy="static" is the baseline continuous batching is measured against: a
+batch is admitted only when the previous one has wholly finished, its prompts
+are prefilled whole in one step, and a member that finishes leaves its slot
+idle until the batch ends.
+
+The engine loop:
+    out = scheduler.schedule()
+    (forward over out.scheduled)
+    for chunk in out.scheduled: scheduler.update_from_step(chunk)
+    (sample for chunks with chunk.reaches_end, append the token, and call
+     finish_request for requests that stop: stop token, max_tokens, or
+     num_tokens >= max_model_len)
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from serving.block_manager import BlockManager
+from serving.request import Request, RequestStatus
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute request.all_token_ids[start:start + num_tokens] at positions start..."""
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def reaches_end(self) -> bool:
+        """Whether the chunk ends at the request's last token: its logits give the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, long_prefill_token_threshold: int = 0, policy: str = "continuous"):
+        for name, value, low in (("max_num_seqs", max_num_seqs, 1),
+                                 ("max_num_batched_tokens", max_num_batched_tokens, 1),
+                                 ("max_model_len", max_model_len, 1),
+                                 ("long_prefill_token_threshold", long_prefill_token_threshold, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.policy = policy
+        # Read-only outside: running in admission order, waiting in FCFS order.
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self._live: dict[str, Request] = {}
+        self._busy_slots = 0          # sum over steps of requests that computed a token
+        self._num_steps = 0           # steps that computed anything
+
+    # -------------------------------------------------------------- queries
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._live.get(request_id)
+
+    @property
+    def slot_utilisation(self) -> float:
+        """Over steps that computed anything: requests computing a token / max_num_seqs."""
+        return self._busy_slots / (self._num_steps * self.max_num_seqs) if self._num_steps else 0.0
+
+    # ------------------------------------------------------- request life
+    def max_pages_needed(self, req: Request) -> int:
+        """Pages the request holds at its longest (every token but the last sampled one computed)."""
+        max_tokens = getattr(req.params, "max_tokens", None)
+        longest = self.max_model_len if max_tokens is None else req.num_prompt_tokens + max_tokens - 1
+        longest = max(req.num_prompt_tokens, min(longest, self.max_model_len))
+        return -(-longest // self.block_manager.page_size)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self._live:
+            raise ValueError(f"request_id {req.request_id!r} is already queued or running")
+        if req.status != RequestStatus.WAITING or req.block_ids or req.num_computed_tokens:
+            raise ValueError(f"req {req.request_id!r} must be new: status WAITING, no pages, nothing computed")
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"prompt_token_ids of request {req.request_id!r} is empty")
+        if n > self.max_model_len:
+            raise ValueError(f"prompt_token_ids of request {req.request_id!r} has {n} tokens, "
+                             f"more than max_model_len {self.max_model_len}")
+        needed = self.max_pages_needed(req)
+        if needed > self.block_manager.num_pages:
+            # It could never finish: alone in the pool it would preempt itself forever.
+            raise ValueError(
+                f"prompt_token_ids of request {req.request_id!r}: {n} tokens plus its max_tokens need "
+                f"{needed} pages of {self.block_manager.page_size} tokens, the pool has {self.block_manager.num_pages}")
+        self._live[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request; None if it is unknown or already finished."""
+        req = self._live.get(request_id)
+        if req is not None:
+            self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        if not isinstance(status, RequestStatus) or not status.finished:
+            raise ValueError(f"status must be a FINISHED_* RequestStatus, got {status!r}")
+        if self._live.get(req.request_id) is not req:
+            raise ValueError(f"req {req.request_id!r} is not queued or running here")
+        del self._live[req.request_id]
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.block_manager.free(req)
+
+    # ------------------------------------------------------------- stepping
+    def update_from_step(self, chunk: ScheduledChunk) -> None:
+        """Record that the engine computed chunk (call once per chunk, after the forward)."""
+        req = chunk.request
+        if self._live.get(req.request_id) is not req:
+            return                    # aborted while its step was in flight: nothing to record
+        if chunk.start != req.num_computed_tokens:
+            raise RuntimeError(f"chunk of {req.request_id!r} starts at {chunk.start} but "
+                               f"{req.num_computed_tokens} tokens are computed: a stale or repeated chunk")
+        req.num_computed_tokens += chunk.num_tokens
+        self.block_manager.cache_full_pages(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.policy == "static":
+            self._schedule_static(out)
+        else:
+            self._schedule_continuous(out)
+        out.num_batched_tokens = sum(c.num_tokens for c in out.scheduled)
+        if out.scheduled:
+            self._num_steps += 1
+            self._busy_slots += len(out.scheduled)
+        return out
+
+    def _tokens_left(self, req: Request) -> int:
+        # Never past max_model_len: the engine finishes a request that reaches it.
+        return min(req.num_tokens, self.max_model_len) - req.num_computed_tokens
+
+    def _chunk_size(self, req: Request, budget: int) -> int:
+        n = min(self._tokens_left(req), budget)
+        if self.long_prefill_token_threshold:
+            n = min(n, self.long_prefill_token_threshold)
+        return n
+
+    def _schedule_continuous(self, out: SchedulerOutput) -> None:
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk_size(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self._allocate_or_preempt(req, n, out):
+                break                 # req itself was preempted: everyone after it already was
+            out.scheduled.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        # As vLLM: no admissions in a step that preempted, or the request just
+        # pushed back would be readmitted at once and thrash.
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and not out.preempted):
+            n = self._admit(self.waiting[0], budget, out)
+            if n == 0:
+                break                 # FCFS: nobody overtakes the head of the queue
+            budget -= n
+
+    def _schedule_static(self, out: SchedulerOutput) -> None:
+        if not self.running:
+            # A new batch: prompts prefilled whole, the token budget ignored.
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                if self._admit(self.waiting[0], None, out) == 0:
+                    break
+            return
+        for req in list(self.running):
+            if req not in self.running:
+                continue              # preempted earlier in this loop
+            n = self._tokens_left(req)
+            if n <= 0:
+                continue
+            if not self._allocate_or_preempt(req, n, out):
+                break
+            out.scheduled.append(ScheduledChunk(req, req.num_computed_tokens, n))
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Pages for n more tokens of running req, preempting from the back; False if req went."""
+        while not self.block_manager.allocate_slots(req, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _admit(self, req: Request, budget: int | None, out: SchedulerOutput) -> int:
+        """Move the head of the waiting queue to running with its first chunk; 0 if it does not fit."""
+        pages, num_hit = self.block_manager.get_computed_prefix(req)
+        req.num_computed_tokens = num_hit
+        n = self._tokens_left(req)
+        if budget is not None:
+            n = self._chunk_size(req, budget)
+        if n <= 0 or not self.block_manager.allocate_slots(req, n, pages):
+            req.num_computed_tokens = 0
+            return 0
+        self.waiting.popleft()
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(ScheduledChunk(req, num_hit, n))
+        return n
+
+    # ------------------------------------------------------------- checking
+    def check_invariants(self) -> None:
+        """The page manager's invariants over the live requests, plus the queues' own."""
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running requests, max_num_seqs is {self.max_num_seqs}")
+        for req in self.waiting:
+            if req.status != RequestStatus.WAITING or req.block_ids or req.num_computed_tokens:
+                raise AssertionError(f"waiting request {req.request_id!r} holds pages or computed tokens")
+        for req in self.running:
+            if req.status != RequestStatus.RUNNING:
+                raise AssertionError(f"running request {req.request_id!r} has status {req.status}")
+        if len(self._live) != len(self.running) + len(self.waiting):
+            raise AssertionError("a live request is neither running nor waiting")
+        self.block_manager.check_invariants(self._live.values())
