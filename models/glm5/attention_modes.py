@@ -93,27 +93,41 @@ def attend_selected(attn, step, selection, ctx):
 
 
 def causal_sdpa(attn, step, ctx):
-    """Causal attention over every key, one SDPA. Absorbed: the kv head
-    broadcast to the H query heads. Expanded, as FlashAttention runs MLA
-    prefill: every key's latent expanded to per-head K (nope + rope) and V by
-    kv_b_proj, 3.4x fewer FLOPs per (query, key, head), for T x kv_lora x H x
-    (nope + v) to expand. The mask is [S,T] (none when S == T)."""
-    if step.expanded:
-        q, k, v = attn.expand(step.q_nope, step.q_rot, step.keys, ctx.workspace)
-        # torch's CPU flash kernel needs one head size for q, k and v (else SDPA
-        # takes the math path, [B,H,S,T] in memory and ~8x slower): zero-pad the
-        # smaller side, which changes neither scores nor outputs.
-        D = max(q.shape[-1], attn.v_dim)
-        q, k, v = F.pad(q, (0, D - q.shape[-1])), F.pad(k, (0, D - k.shape[-1])), F.pad(v, (0, D - attn.v_dim))
-    else:
-        q, (k, v) = step.q, latent_kv(attn, step)
+    """Causal attention over every key, one SDPA. Absorbed: one latent key per
+    token serves every head (MQA), so the H heads fold into the query rows
+    ([B, 1, S*H, C+r] against [B, 1, T, C+r]; broadcasting the kv head to H
+    heads instead costs SDPA a strided copy per head, ~50x slower at decode).
+    Expanded, as FlashAttention runs MLA prefill: every key's latent expanded
+    to per-head K (nope + rope) and V by kv_b_proj, 3.4x fewer FLOPs per
+    (query, key, head), for T x kv_lora x H x (nope + v) to expand. The mask
+    is [S,T] (none when S == T)."""
+    if not step.expanded:
+        return _absorbed_sdpa(attn, step, ctx)
+    q, k, v = attn.expand(step.q_nope, step.q_rot, step.keys, ctx.workspace)
+    # torch's CPU flash kernel needs one head size for q, k and v (else SDPA
+    # takes the math path, [B,H,S,T] in memory and ~8x slower): zero-pad the
+    # smaller side, which changes neither scores nor outputs.
+    D = max(q.shape[-1], attn.v_dim)
+    q, k, v = F.pad(q, (0, D - q.shape[-1])), F.pad(k, (0, D - k.shape[-1])), F.pad(v, (0, D - attn.v_dim))
     B, S, H, _ = q.shape
     T = k.shape[1]
     mask, causal = ctx.sdpa_mask(T)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).expand(B, H, T, k.shape[-1]),
-                                         v.transpose(1, 2).expand(B, H, T, v.shape[-1]), attn_mask=mask,
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          is_causal=causal, scale=attn.scale)
-    return (out[..., :attn.v_dim] if step.expanded else out).transpose(1, 2)
+    return out[..., :attn.v_dim].transpose(1, 2)
+
+
+def _absorbed_sdpa(attn, step, ctx):
+    q, (k, v) = step.q, latent_kv(attn, step)
+    B, S, H, D = q.shape
+    T = k.shape[1]
+    mask = None
+    if not (S == 1 and T == ctx.end and isinstance(ctx.q_start, int)):    # one query at the end sees every key
+        m = ctx.causal_mask(T)                                             # [S,T] or [B,S,T]
+        mask = m[..., None, :].expand(*m.shape[:-1], H, T).reshape(*m.shape[:-2], 1, S * H, T)
+    out = F.scaled_dot_product_attention(q.reshape(B, 1, S * H, D), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, scale=attn.scale)
+    return out.view(B, S, H, v.shape[-1])
 
 
 @register_attention_mode("dense")

@@ -1,0 +1,62 @@
+"""One engine step's chunks packed into one model forward.
+
+The decodes (one new token each, at different lengths) form one segment of
+B sequences with per-sequence start positions; every prefill chunk is a
+segment of its own (one sequence, many queries: the kernels' prefill path).
+All their tokens are packed as [1, N], so the projections, MLPs and experts
+read their weights once for the whole step (see models/glm5/model.py,
+ForwardContext). Each segment reads and writes the shared pool through its
+own block tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.glm5.cache import CacheView, KVPool
+from models.glm5.model import Segment
+
+
+@dataclass
+class PackedStep:
+    input_ids: torch.Tensor        # [1, N]
+    positions: torch.Tensor        # [1, N]
+    segments: list[Segment]
+    chunks: list                   # the scheduler's chunks, in packed order
+    sample_rows: list[int]         # row of N whose logits give each sampled chunk's next token
+    sampled: list                  # the chunks that reach the end of their request's tokens
+
+
+def block_table(requests, device) -> torch.Tensor:
+    """[B, pages] int64 of the requests' page ids, -1 past each one's pages."""
+    width = max(len(r.block_ids) for r in requests)
+    table = torch.full((len(requests), width), -1, dtype=torch.int64)
+    for b, r in enumerate(requests):
+        table[b, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int64)
+    return table.to(device)
+
+
+def pack(chunks, pool: KVPool, device) -> PackedStep:
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    prefills = [c for c in chunks if c.num_tokens > 1]
+    ids, positions, segments, order = [], [], [], []
+    if decodes:
+        starts = torch.tensor([c.start for c in decodes], dtype=torch.int64, device=device)
+        view = CacheView(pool, block_table([c.request for c in decodes], device), starts, 1)
+        segments.append(Segment(len(decodes), 1, starts, view))
+    for c in prefills:
+        view = CacheView(pool, block_table([c.request], device), c.start, c.num_tokens)
+        segments.append(Segment(1, c.num_tokens, c.start, view))
+    for c in decodes + prefills:
+        ids += c.request.all_token_ids[c.start:c.start + c.num_tokens]
+        positions += range(c.start, c.start + c.num_tokens)
+        order.append(c)
+    rows, sampled, row = [], [], 0
+    for c in order:
+        row += c.num_tokens
+        if c.start + c.num_tokens == c.request.num_tokens:
+            rows.append(row - 1)
+            sampled.append(c)
+    return PackedStep(torch.tensor([ids], dtype=torch.int64, device=device),
+                      torch.tensor([positions], dtype=torch.int64, device=device), segments, order, rows, sampled)
