@@ -37,16 +37,31 @@ def sample_next(logits, *, do_sample: bool, temperature: float = 1.0, top_k: int
     if not do_sample:
         return logits.argmax(-1)
     _check_sampling(temperature, top_k, top_p)
-    logits = logits.float() / temperature
-    if top_k:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p          # keep the smallest prefix reaching top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logits = top_k_top_p_filter(logits.float() / temperature, top_k, top_p)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def top_k_top_p_filter(logits, top_k, top_p):
+    """logits [B, V] (float, already temperature-scaled) with every token outside
+    each row's top_k / top_p nucleus set to -inf. top_k, top_p: one value for
+    all rows, or a tensor [B] per row (serving batches requests with their own).
+    top_k 0 (or below 1) = off; ties with the k-th value stay in. top_p >= 1 =
+    off; else the smallest prefix of the sorted distribution (after top_k)
+    whose mass reaches top_p. The one home of this rule (serving's sampler uses it)."""
+    B, V = logits.shape
+    k = torch.as_tensor(top_k, device=logits.device).long().expand(B)
+    p = torch.as_tensor(top_p, device=logits.device, dtype=torch.float32).expand(B)
+    use_k, use_p = (k >= 1) & (k < V), p < 1.0
+    if not bool(use_k.any()) and not bool(use_p.any()):
+        return logits                    # nothing to cut: skip the [B, V] sort
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(-1, torch.where(use_k, k - 1, V - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # keep the smallest prefix reaching top_p (the first token always stays); inf: rows with the rule off
+    threshold = torch.where(use_p, p, torch.full_like(p, float("inf")))
+    drop = probs.cumsum(-1) - probs > threshold[:, None]
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
 def _check_sampling(temperature, top_k, top_p) -> None:
