@@ -107,13 +107,16 @@ def test_top_k_and_top_p_restrict_the_support(device):
     probs = torch.full((V,), 1e-12)
     for i, p in zip((3, 0, 7, 1, 9), (0.4, 0.3, 0.15, 0.1, 0.05)):
         probs[i] = p
-    logits = probs.log()[None].repeat(3, 1).to(device)
+    rows = 1000                 # per rule, in one batch: 3000 draws a call, 2 calls
+    logits = probs.log()[None].repeat(3 * rows, 1).to(device)
     sampler = Sampler()
-    reqs = [req("k", top_k=2, seed=1), req("p", top_p=0.8, seed=2), req("all", seed=3)]
+    reqs = ([req(f"k{i}", top_k=2) for i in range(rows)] + [req(f"p{i}", top_p=0.8) for i in range(rows)]
+            + [req(f"a{i}", seed=i) for i in range(rows)])        # seeded: each row its own generator
     seen = [set(), set(), set()]
-    for _ in range(3000):
-        for s, t in zip(seen, sampler.sample(logits, reqs)[0]):
-            s.add(t)
+    for _ in range(2):
+        ids = sampler.sample(logits, reqs)[0]
+        for rule in range(3):
+            seen[rule].update(ids[rule * rows:(rule + 1) * rows])
     assert seen[0] == {3, 0}
     assert seen[1] == {3, 0, 7}             # 0.4 + 0.3 < 0.8: the smallest prefix reaching it adds id 7
     assert seen[2] == {3, 0, 7, 1, 9}
