@@ -10,6 +10,7 @@ from serving.request import Request
 from serving.sampler import Sampler
 
 V = 12
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
 def req(rid, **params):
@@ -50,17 +51,19 @@ def test_validate_accepts_the_edges():
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.5).greedy
 
 
-def test_greedy_is_argmax_and_ties_take_the_lowest_id():
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax_and_ties_take_the_lowest_id(device):
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
     logits[3, 5] = logits[3, 7] = 50.0
-    ids, lps, tops = Sampler().sample(logits, [req(f"r{i}", temperature=0.0) for i in range(4)])
+    ids, lps, tops = Sampler().sample(logits.to(device), [req(f"r{i}", temperature=0.0) for i in range(4)])
     assert ids == logits.argmax(-1).tolist() and ids[3] == 5
     assert lps == [None] * 4 and tops == [None] * 4
 
 
-def test_a_seeded_request_samples_the_same_alone_or_in_a_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(device):
     g = torch.Generator().manual_seed(1)
-    rows = torch.randn(5, V, generator=g)
+    rows = torch.randn(5, V, generator=g).to(device)
     target = rows[2:3]
 
     def draws(batch_rows, index, seed, steps=20):
@@ -98,25 +101,30 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
         assert Sampler().sample(logits, [req(f"p{i}", temperature=1.5, top_p=1e-6) for i in range(6)])[0] == greedy
 
 
-def test_top_k_and_top_p_restrict_the_support():
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_and_top_p_restrict_the_support(device):
     # probabilities 0.4, 0.3, 0.15, 0.1, 0.05 on ids 3, 0, 7, 1, 9; the rest -inf-ish
     probs = torch.full((V,), 1e-12)
     for i, p in zip((3, 0, 7, 1, 9), (0.4, 0.3, 0.15, 0.1, 0.05)):
         probs[i] = p
-    logits = probs.log()[None].repeat(3, 1)
+    rows = 1000                 # per rule, in one batch: 3000 draws a call, 2 calls
+    logits = probs.log()[None].repeat(3 * rows, 1).to(device)
     sampler = Sampler()
-    reqs = [req("k", top_k=2, seed=1), req("p", top_p=0.8, seed=2), req("all", seed=3)]
+    reqs = ([req(f"k{i}", top_k=2) for i in range(rows)] + [req(f"p{i}", top_p=0.8) for i in range(rows)]
+            + [req(f"a{i}", seed=i) for i in range(rows)])        # seeded: each row its own generator
     seen = [set(), set(), set()]
-    for _ in range(3000):
-        for s, t in zip(seen, sampler.sample(logits, reqs)[0]):
-            s.add(t)
+    for _ in range(2):
+        ids = sampler.sample(logits, reqs)[0]
+        for rule in range(3):
+            seen[rule].update(ids[rule * rows:(rule + 1) * rows])
     assert seen[0] == {3, 0}
     assert seen[1] == {3, 0, 7}             # 0.4 + 0.3 < 0.8: the smallest prefix reaching it adds id 7
     assert seen[2] == {3, 0, 7, 1, 9}
 
 
-def test_logprobs_are_log_softmax_of_the_raw_logits():
-    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(4)) * 3
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_log_softmax_of_the_raw_logits(device):
+    logits = (torch.randn(3, V, generator=torch.Generator().manual_seed(4)) * 3).to(device)
     reqs = [req("a", temperature=0.0, logprobs=0), req("b", temperature=2.0, seed=9, logprobs=3),
             req("c", temperature=0.7)]
     ids, lps, tops = Sampler().sample(logits, reqs)
