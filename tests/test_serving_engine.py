@@ -67,6 +67,9 @@ CASES = {   # name: (preset, attn, engine kwargs, workload kwargs)
     "tiny-dense-prefix": ("tiny", "dense", dict(enable_prefix_caching=True), {}),
     "tiny-dsa-preempt": ("tiny", "dsa", dict(num_pages=24), {}),
     "tiny-dsa-prefix-preempt": ("tiny", "dsa", dict(num_pages=24, enable_prefix_caching=True), {}),
+    "small-dsa": ("small", "dsa", {}, {}),
+    "small-dense": ("small", "dense", {}, {}),
+    "small-dsa-prefix-preempt": ("small", "dsa", dict(num_pages=24, enable_prefix_caching=True), {}),
 }
 
 
