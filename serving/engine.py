@@ -29,13 +29,15 @@ from .params import SamplingParams
 from .request import Request, RequestStatus
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .speculative import MTPDrafter
 
 
 class Engine:
     def __init__(self, model, *, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  kv_cache_memory="1GiB", num_pages: int | None = None, page_size: int = 64,
                  enable_prefix_caching: bool = False, policy: str = "continuous",
-                 long_prefill_token_threshold: int = 0, max_model_len: int | None = None, log=True):
+                 long_prefill_token_threshold: int = 0, max_model_len: int | None = None,
+                 speculative: bool = False, log=True):
         self.model, self.config = model, model.config
         p = next(model.parameters())
         self.device = p.device
@@ -57,6 +59,10 @@ class Engine:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    long_prefill_token_threshold=long_prefill_token_threshold, policy=policy)
         self.sampler = Sampler()
+        if speculative and enable_prefix_caching:
+            raise ValueError("speculative=True and enable_prefix_caching=True together are not supported: a cached "
+                             "page's MTP keys depend on the token after the page (serving/speculative.py)")
+        self.drafter = MTPDrafter(model) if speculative else None
         self.requests: dict[str, Request] = {}     # unfinished ones
         self.num_generated_tokens = 0
         self.num_steps = 0
@@ -133,14 +139,50 @@ class Engine:
         hidden = self.model.packed_hidden_states(batch.input_ids, batch.positions, batch.segments)
         for chunk in batch.chunks:
             self.scheduler.update_from_step(chunk)
-        if not batch.sampled:
-            return []
-        logits = self.model.logits(hidden[0, batch.sample_rows]).float()
-        requests = [c.request for c in batch.sampled]
-        tokens, logprobs, _ = self.sampler.sample(logits, requests)
-        now = time.monotonic()
-        outputs = []
-        for req, token, logprob in zip(requests, tokens, logprobs):
+        finished, outputs = [], []
+        if batch.sampled:
+            logits = self.model.logits(hidden[0, batch.sample_rows]).float()
+            now = time.monotonic()
+            for req, tokens, logprobs in self._choose(batch.sampled, logits):
+                status = self._append(req, tokens, logprobs, now)
+                if status is not None:
+                    finished.append((req, status))
+                outputs.append(req)
+        if self.drafter is not None:     # before finishing: the MTP layer writes to these requests' pages
+            done = {id(r) for r, _ in finished}
+            self.drafter.draft(batch, hidden, lambda r: id(r) not in done and self._may_draft(r))
+        for req, status in finished:
+            self.scheduler.finish_request(req, status)
+            self.requests.pop(req.request_id, None)
+            self.sampler.release(req.request_id)
+        return [self._output(req) for req in outputs]
+
+    def _choose(self, chunks, logits):
+        """(request, new tokens, their logprobs or None) per sampled chunk: drafts
+        verified greedily, other requests through the sampler in one batch."""
+        plain, plain_rows, out, row = [], [], [], 0
+        for chunk in chunks:
+            req, k = chunk.request, len(chunk.request.spec_token_ids)
+            if k:
+                rows = logits[row:row + 1 + k]
+                tokens = self.drafter.verify(req, rows)
+                lp = rows[:len(tokens)].log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+                out.append((req, tokens, lp))
+                req.spec_token_ids = []
+                # the rejected drafts' slots hold nothing valid: they are computed again
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens + len(tokens) - 1)
+            else:
+                plain.append(req)
+                plain_rows.append(row)
+            row += 1 + k
+        if plain:
+            tokens, logprobs, _ = self.sampler.sample(logits[plain_rows], plain)
+            out += [(req, [t], [lp]) for req, t, lp in zip(plain, tokens, logprobs)]
+        return out
+
+    def _append(self, req: Request, tokens: list[int], logprobs, now: float):
+        """Appends tokens until one finishes the request; returns its finish status or None."""
+        for token, logprob in zip(tokens, logprobs):
             req.output_token_ids.append(token)
             req.token_times.append(now)
             if req.params.logprobs is not None:
@@ -148,11 +190,13 @@ class Engine:
             self.num_generated_tokens += 1
             status = self._finish_status(req, token)
             if status is not None:
-                self.scheduler.finish_request(req, status)
-                self.requests.pop(req.request_id, None)
-                self.sampler.release(req.request_id)
-            outputs.append(self._output(req))
-        return outputs
+                return status
+        return None
+
+    def _may_draft(self, req: Request) -> bool:
+        """A draft pays when the request is greedy and has two more tokens to go within its limits."""
+        return (req.params.greedy and len(req.output_token_ids) + 2 <= req.params.max_tokens
+                and req.num_tokens + 2 <= self.max_model_len)
 
     def _finish_status(self, req: Request, token: int):
         if token in req.params.stop_token_ids:
@@ -202,7 +246,7 @@ class Engine:
                 "kv_cache_usage": bm.usage, "num_preemptions": self.num_preemptions,
                 "num_running": sched.num_running, "num_waiting": sched.num_waiting,
                 "generated_tokens": self.num_generated_tokens, "steps": self.num_steps,
-                "pool_tokens": self.max_tokens_in_pool}
+                "pool_tokens": self.max_tokens_in_pool, **(self.drafter.stats() if self.drafter else {})}
 
 
 class Progress:

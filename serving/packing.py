@@ -24,8 +24,9 @@ class PackedStep:
     positions: torch.Tensor        # [1, N]
     segments: list[Segment]
     chunks: list                   # the scheduler's chunks, in packed order
-    sample_rows: list[int]         # row of N whose logits give each sampled chunk's next token
-    sampled: list                  # the chunks that reach the end of their request's tokens
+    offsets: list[int]             # chunk i's tokens are rows offsets[i] .. offsets[i+1] - 1 of N
+    sampled: list                  # the chunks that reach the end of their request's tokens (and drafts)
+    sample_rows: list[int]         # rows whose logits are sampled: per sampled chunk, its last 1 + drafts
 
 
 def block_table(requests, device) -> torch.Tensor:
@@ -39,7 +40,7 @@ def block_table(requests, device) -> torch.Tensor:
 
 def pack(chunks, pool: KVPool, device) -> PackedStep:
     decodes = [c for c in chunks if c.num_tokens == 1]
-    prefills = [c for c in chunks if c.num_tokens > 1]
+    prefills = [c for c in chunks if c.num_tokens > 1]      # and decodes verifying drafts
     ids, positions, segments, order = [], [], [], []
     if decodes:
         starts = torch.tensor([c.start for c in decodes], dtype=torch.int64, device=device)
@@ -48,15 +49,16 @@ def pack(chunks, pool: KVPool, device) -> PackedStep:
     for c in prefills:
         view = CacheView(pool, block_table([c.request], device), c.start, c.num_tokens)
         segments.append(Segment(1, c.num_tokens, c.start, view))
+    offsets, rows, sampled = [0], [], []
     for c in decodes + prefills:
-        ids += c.request.all_token_ids[c.start:c.start + c.num_tokens]
+        req = c.request
+        ids += req.token_ids_to_compute[c.start:c.start + c.num_tokens]
         positions += range(c.start, c.start + c.num_tokens)
         order.append(c)
-    rows, sampled, row = [], [], 0
-    for c in order:
-        row += c.num_tokens
-        if c.start + c.num_tokens == c.request.num_tokens:
-            rows.append(row - 1)
+        offsets.append(offsets[-1] + c.num_tokens)
+        if c.start + c.num_tokens == req.num_tokens + len(req.spec_token_ids):
             sampled.append(c)
+            rows += range(offsets[-1] - 1 - len(req.spec_token_ids), offsets[-1])
     return PackedStep(torch.tensor([ids], dtype=torch.int64, device=device),
-                      torch.tensor([positions], dtype=torch.int64, device=device), segments, order, rows, sampled)
+                      torch.tensor([positions], dtype=torch.int64, device=device), segments, order, offsets,
+                      sampled, rows)

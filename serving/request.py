@@ -38,6 +38,7 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0             # tokens whose latent (and indexer key) is in the cache
     block_ids: list[int] = field(default_factory=list)   # the block table: logical page i -> page id
+    spec_token_ids: list[int] = field(default_factory=list)  # MTP's drafts after the last token, to verify
     num_cached_tokens: int = 0               # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -46,6 +47,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def token_ids_to_compute(self) -> list[int]:
+        """all_token_ids, then the drafts the next forward verifies."""
+        return self.prompt_token_ids + self.output_token_ids + self.spec_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -170,12 +170,15 @@ class Scheduler:
 
     def _tokens_left(self, req: Request) -> int:
         # Never past max_model_len: the engine finishes a request that reaches it.
-        return min(req.num_tokens, self.max_model_len) - req.num_computed_tokens
+        return min(req.num_tokens + len(req.spec_token_ids), self.max_model_len) - req.num_computed_tokens
 
     def _chunk_size(self, req: Request, budget: int) -> int:
         n = min(self._tokens_left(req), budget)
         if self.long_prefill_token_threshold:
             n = min(n, self.long_prefill_token_threshold)
+        if req.spec_token_ids and n < self._tokens_left(req):
+            req.spec_token_ids.clear()      # drafts are verified whole or not at all: a split drops them
+            return self._chunk_size(req, budget)
         return n
 
     def _schedule_continuous(self, out: SchedulerOutput) -> None:
@@ -231,6 +234,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids.clear()
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

@@ -67,6 +67,8 @@ CASES = {   # name: (preset, attn, engine kwargs, workload kwargs)
     "tiny-dense-prefix": ("tiny", "dense", dict(enable_prefix_caching=True), {}),
     "tiny-dsa-preempt": ("tiny", "dsa", dict(num_pages=24), {}),
     "tiny-dsa-prefix-preempt": ("tiny", "dsa", dict(num_pages=24, enable_prefix_caching=True), {}),
+    "tiny-dsa-spec": ("tiny", "dsa", dict(speculative=True), {}),
+    "tiny-dense-spec-preempt": ("tiny", "dense", dict(speculative=True, num_pages=24), {}),
     "small-dsa": ("small", "dsa", {}, {}),
     "small-dense": ("small", "dense", {}, {}),
     "small-dsa-prefix-preempt": ("small", "dsa", dict(num_pages=24, enable_prefix_caching=True), {}),
@@ -100,6 +102,9 @@ def test_busy_batch_gives_each_request_its_tokens_alone(case):
         assert stats["num_preemptions"] > 0, "the small pool forced no preemption: the case tests nothing"
     if "prefix" in case:
         assert stats["prefix_cache_hit_rate"] > 0.1, stats
+    if "spec" in case:
+        assert stats["spec_drafts_proposed"][0] > 100, stats
+        print(case, {k: v for k, v in stats.items() if k.startswith("spec")})
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_pages():
@@ -177,3 +182,33 @@ def test_stop_token_ends_the_request():
     first = free_run.outputs[0].token_ids.index(stop)
     assert out.token_ids == free_run.outputs[0].token_ids[:first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_accepted_drafts_give_the_same_tokens():
+    """Random weights make MTP a poor drafter (almost every draft is rejected),
+    so here drafts are replaced after the MTP layer ran: the true next token for
+    even requests (always accepted), a wrong one for odd requests (always
+    rejected). The tokens must still be the requests' tokens alone, with two
+    tokens per verifying forward where drafts are right."""
+    model, prompts, params, alone = _model_and_alone("tiny", "dsa")
+    prompts, params, alone = prompts[:16], params[:16], alone[:16]
+    engine = Engine(model, max_num_seqs=16, max_num_batched_tokens=96, num_pages=200, page_size=16,
+                    speculative=True, log=False)
+    truth = {f"r{i}": alone[i] for i in range(16)}
+    real_draft = engine.drafter.draft
+
+    def draft(batch, hidden, wants_draft):
+        real_draft(batch, hidden, wants_draft)
+        for req in engine.requests.values():
+            if req.spec_token_ids:
+                right = truth[req.request_id][len(req.output_token_ids)]
+                even = int(req.request_id[1:]) % 2 == 0
+                req.spec_token_ids = [right if even else (right + 1) % model.config.vocab_size]
+
+    engine.drafter.draft = draft
+    busy = _busy(engine, prompts, params)
+    assert busy == alone
+    stats = engine.stats()
+    # even requests accept every draft and so finish in about half the verifications: about 1/3 of all
+    assert 0.15 < stats["spec_acceptance_per_position"][0] < 0.6, stats
+    assert stats["spec_tokens_per_verify"] > 1.1, stats

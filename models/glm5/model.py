@@ -336,26 +336,42 @@ class GLM5ForCausalLM(nn.Module):
         (tokens t+1) -> logits for tokens t+2, [B,S,V] (the last `logits_to_keep`
         positions when > 0). With a cache, the MTP layer's own latent keys are
         appended like any layer's."""
-        if not len(self.model.mtp):
-            raise RuntimeError("this model has no MTP layer (config.num_nextn_predict_layers == 0, or the "
-                               "checkpoint did not contain one)")
         int_in_range(logits_to_keep, "logits_to_keep", 0, INT32_MAX)
-        mtp = self.model.mtp[depth]
         start = 0 if cache is None else cache.mtp_length
         self._check_ids(next_ids, start, "next_ids")
         B, S = next_ids.shape
+        view = None if cache is None else cache.begin(B, S, mtp=True)
+        positions = (start + torch.arange(S, device=next_ids.device))[None].expand(B, S)
+        x = self._mtp_hidden(hidden, next_ids, positions, [Segment(B, S, start, view)], depth)
+        if cache is not None:
+            cache.commit(S, mtp=True)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return self.mtp_head(x, depth)
+
+    def packed_mtp_hidden(self, hidden, next_ids, positions, segments: list[Segment], depth: int = 0):
+        """MTP over a packed forward (see packed_hidden_states): the main model's
+        hidden [1,N,hidden] at positions t and the tokens t+1 [1,N]; the MTP
+        layer's keys go to the same pages at the same positions. Returns its
+        hidden states [1,N,hidden]; mtp_head() of the rows wanted gives the logits of tokens t+2."""
+        self._check_ids(next_ids, 0, "next_ids")
+        return self._mtp_hidden(hidden, next_ids, positions, segments, depth)
+
+    def _mtp_hidden(self, hidden, next_ids, positions, segments, depth):
+        if not len(self.model.mtp):
+            raise RuntimeError("this model has no MTP layer (config.num_nextn_predict_layers == 0, or the "
+                               "checkpoint did not contain one)")
+        mtp = self.model.mtp[depth]
         with nvtx_range("mtp"):
             e = mtp.enorm(self.model.embed_tokens(next_ids))
             x = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden)], dim=-1))
-            view = None if cache is None else cache.begin(B, S, mtp=True)
-            positions = (start + torch.arange(S, device=x.device))[None].expand(B, S)
-            ctx = ForwardContext(self, positions, [Segment(B, S, start, view)], x.dtype)
-            x, _ = mtp.layer(x, ctx, None)
-            if cache is not None:
-                cache.commit(S, mtp=True)
-            if logits_to_keep:
-                x = x[:, -logits_to_keep:]
-            return self.lm_head(mtp.shared_head.norm(x))
+            ctx = ForwardContext(self, positions, segments, x.dtype)
+            return mtp.layer(x, ctx, None)[0]
+
+    def mtp_head(self, x, depth: int = 0):
+        """Logits from MTP hidden states (its own norm, the main model's LM head)."""
+        with nvtx_range("mtp"):
+            return self.lm_head(self.model.mtp[depth].shared_head.norm(x))
 
     @torch.no_grad()
     def prefill(self, input_ids, cache, *, chunk: int = 2048):
