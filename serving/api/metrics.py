@@ -54,6 +54,8 @@ def render(model_name: str, snapshot: dict, counters: ServerCounters) -> str:
     metric("glm5_lab:kv_cache_free_pages", "gauge", "Free pages (cached pages no request holds count as free).",
            snapshot["num_free_pages"])
     metric("glm5_lab:engine_steps_total", "counter", "Engine steps run.", snapshot["steps"])
+    metric("glm5_lab:engine_generated_tokens_total", "counter",
+           "Tokens the engine sampled (with those of requests aborted before delivery).", snapshot["generated_tokens"])
     metric("glm5_lab:requests_in_flight", "gauge", "Engine requests admitted by the server, not yet done.",
            counters.in_flight)
     metric("glm5_lab:requests_rejected_total", "counter", "Requests refused with 503: the queue was full.",
@@ -62,10 +64,13 @@ def render(model_name: str, snapshot: dict, counters: ServerCounters) -> str:
 
 
 def parse(text: str) -> dict[str, float]:
-    """{name: value} of a render() output (labels dropped; the last sample wins): for tests and clients."""
+    """{name: value} of a render() output, for tests and clients; labels other
+    than model_name stay in the key: 'vllm:request_success_total{finished_reason="abort"}'."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name_labels, value = line.rsplit(" ", 1)
-            out[name_labels.split("{", 1)[0]] = float(value)
+            name, _, labels = name_labels.partition("{")
+            rest = [x for x in labels.rstrip("}").split(",") if x and not x.startswith("model_name=")]
+            out[name + ("{" + ",".join(rest) + "}" if rest else "")] = float(value)
     return out
