@@ -172,3 +172,20 @@ def test_64_concurrent_streams_then_200_disconnects_leave_the_pool_whole(served)
     engine_tokens = "glm5_lab:engine_generated_tokens_total"
     assert m[engine_tokens] - before[engine_tokens] < 200 * 200 / 4
     assert served.client.completions.create(model=MODEL, prompt="still here", max_tokens=2).usage.completion_tokens
+
+
+def test_bench_serve_over_http_counts_every_token(served, tmp_path):
+    from profiling.cli import main
+
+    rc = main(["bench-serve", "--base-url", served.url, "--preset", "tiny", "--dataset", "prefix_repetition",
+               "--num-prompts", "8", "--prefix-repetition-prefix-len", "32", "--prefix-repetition-suffix-len", "4",
+               "--prefix-repetition-output-len", "5", "--request-rate", "50", "--max-concurrency", "4",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    import json
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == 8 and result["failed"] == 0 and result["total_output_tokens"] == 8 * 5
+    assert result["total_input_tokens"] == 8 * 36 and result["config"]["model"] == MODEL
+    assert all(len(itl) == 4 for itl in result["itls"]) and result["mean_ttft_ms"] > 0
+    assert sum(result["num_cached_tokens"]) > 0            # the server's prefix cache served the shared prefixes
+    assert (tmp_path / "result.txt").read_text().startswith("=")
