@@ -61,7 +61,12 @@ def add_parser(subparsers):
 
     p = subparsers.add_parser("bench-serve", help="serving benchmark: TTFT, TPOT, ITL, throughput (vLLM's metrics)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--offline", action="store_true", help="drive the Engine in this process (required for now)")
+    p.add_argument("--offline", action="store_true", help="drive the Engine in this process")
+    p.add_argument("--base-url", "--url", metavar="URL",
+                   help="benchmark a running OpenAI-compatible server instead (profiling/bench_serve_http.py)")
+    p.add_argument("--model", help="with --base-url: the model id (default: the server's first)")
+    p.add_argument("--max-concurrency", type=positive_int, help="with --base-url: requests in flight at most")
+    p.add_argument("--api-key", default=os.environ.get("GLM5_LAB_API_KEY"), help="with --base-url: a bearer token")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=DEFAULT_PRESETS, help="configuration preset (default tiny)")
     src.add_argument("--checkpoint", metavar="DIR", help="an HF checkpoint directory (config.json + safetensors)")
@@ -116,9 +121,9 @@ def _lengths(value, ratio_: float) -> tuple[int, int]:
 
 
 def _check(args) -> None:
-    if not args.offline:
-        raise UsageError("bench-serve needs --offline for now (the engine in this process); "
-                         "an HTTP --base-url mode comes with the server")
+    if args.offline == bool(args.base_url):
+        raise UsageError("bench-serve needs --offline (the engine in this process) or --base-url URL "
+                         "(a running server), one of them")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.random_range_ratio and isinstance(args.random_input_len, tuple) and \
@@ -241,6 +246,9 @@ def run(args) -> int:
     from . import profile_cmd
 
     _check(args)
+    if args.base_url:
+        from . import bench_serve_http
+        return bench_serve_http.run(args)
     device = profile_cmd._device(args)
     dtype = profile_cmd.DTYPES[args.dtype] if args.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
