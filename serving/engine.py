@@ -143,8 +143,8 @@ class Engine:
         if batch.sampled:
             logits = self.model.logits(hidden[0, batch.sample_rows]).float()
             now = time.monotonic()
-            for req, tokens, logprobs in self._choose(batch.sampled, logits):
-                status = self._append(req, tokens, logprobs, now)
+            for req, tokens, logprobs, top in self._choose(batch.sampled, logits):
+                status = self._append(req, tokens, logprobs, top, now)
                 if status is not None:
                     finished.append((req, status))
                 outputs.append(req)
@@ -158,7 +158,7 @@ class Engine:
         return [self._output(req) for req in outputs]
 
     def _choose(self, chunks, logits):
-        """(request, new tokens, their logprobs or None) per sampled chunk: drafts
+        """(request, new tokens, their logprobs, their top logprobs) per sampled chunk: drafts
         verified greedily, other requests through the sampler in one batch."""
         plain, plain_rows, out, row = [], [], [], 0
         for chunk in chunks:
@@ -166,8 +166,8 @@ class Engine:
             if k:
                 rows = logits[row:row + 1 + k]
                 tokens = self.drafter.verify(req, rows)
-                lp = rows[:len(tokens)].log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-                out.append((req, tokens, lp))
+                lp, top = self.sampler.logprobs(rows[:len(tokens)], torch.tensor(tokens), [req] * len(tokens))
+                out.append((req, tokens, lp, top))
                 req.spec_token_ids = []
                 # the rejected drafts' slots hold nothing valid: they are computed again
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens + len(tokens) - 1)
@@ -176,17 +176,18 @@ class Engine:
                 plain_rows.append(row)
             row += 1 + k
         if plain:
-            tokens, logprobs, _ = self.sampler.sample(logits[plain_rows], plain)
-            out += [(req, [t], [lp]) for req, t, lp in zip(plain, tokens, logprobs)]
+            tokens, logprobs, top = self.sampler.sample(logits[plain_rows], plain)
+            out += [(req, [t], [lp], [tp]) for req, t, lp, tp in zip(plain, tokens, logprobs, top)]
         return out
 
-    def _append(self, req: Request, tokens: list[int], logprobs, now: float):
+    def _append(self, req: Request, tokens: list[int], logprobs, tops, now: float):
         """Appends tokens until one finishes the request; returns its finish status or None."""
-        for token, logprob in zip(tokens, logprobs):
+        for token, logprob, top in zip(tokens, logprobs, tops):
             req.output_token_ids.append(token)
             req.token_times.append(now)
             if req.params.logprobs is not None:
                 req.output_logprobs.append(logprob)
+                req.output_top_logprobs.append(top)
             self.num_generated_tokens += 1
             status = self._finish_status(req, token)
             if status is not None:
@@ -212,7 +213,8 @@ class Engine:
         completion = CompletionOutput(0, list(req.output_token_ids),
                                       list(req.output_logprobs) if req.params.logprobs is not None else None,
                                       req.status.value if finished else None,
-                                      req.output_token_ids[-1] if stopped else None)
+                                      req.output_token_ids[-1] if stopped else None,
+                                      list(req.output_top_logprobs) if req.params.logprobs else None)
         return RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished, req.num_cached_tokens)
 
     # -- offline ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ class CompletionOutput:
     logprobs: list[float] | None        # one per token in token_ids; None when params.logprobs is None
     finish_reason: str | None           # None while running; "stop", "length" or "abort"
     stop_reason: int | None             # the stop token id that ended it, if one did
+    top_logprobs: list[dict] | None = None   # per token {token id: logprob} of the top params.logprobs ids
 
 
 @dataclass

@@ -36,6 +36,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict] = field(default_factory=list)   # per token {id: logprob}, when logprobs > 0
     num_computed_tokens: int = 0             # tokens whose latent (and indexer key) is in the cache
     block_ids: list[int] = field(default_factory=list)   # the block table: logical page i -> page id
     spec_token_ids: list[int] = field(default_factory=list)  # MTP's drafts after the last token, to verify

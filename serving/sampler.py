@@ -54,7 +54,7 @@ class Sampler:
         if sampled:
             chosen[sampled] = self._draw(logits[sampled], [requests[i] for i in sampled])
         token_ids = chosen.tolist()
-        logprobs, top_logprobs = self._logprobs(logits, chosen, requests)
+        logprobs, top_logprobs = self.logprobs(logits, chosen, requests)
         return token_ids, logprobs, top_logprobs
 
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -74,7 +74,9 @@ class Sampler:
         return out
 
     @staticmethod
-    def _logprobs(logits, chosen, requests):
+    def logprobs(logits, chosen, requests):
+        """(logprob of each chosen id, {id: logprob} of its top params.logprobs ids plus the chosen) per
+        row, None where the request did not ask: log_softmax of the raw logits, as vLLM reports."""
         n = len(requests)
         logprobs: list = [None] * n
         top_logprobs: list = [None] * n

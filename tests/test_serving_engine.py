@@ -212,3 +212,18 @@ def test_accepted_drafts_give_the_same_tokens():
     # even requests accept every draft and so finish in about half the verifications: about 1/3 of all
     assert 0.15 < stats["spec_acceptance_per_position"][0] < 0.6, stats
     assert stats["spec_tokens_per_verify"] > 1.1, stats
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_logprobs_of_the_chosen_tokens(speculative):
+    model = _model()
+    engine = Engine(model, num_pages=32, page_size=16, speculative=speculative, log=False)
+    prompt = [4, 5, 6, 7]
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=2), use_tqdm=False)[0]
+    c = out.outputs[0]
+    ids = torch.tensor([prompt + c.token_ids])
+    with torch.no_grad():
+        expected = model(ids)[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    chosen = expected.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(c.logprobs), chosen, atol=1e-4)
+    assert len(c.top_logprobs) == 6 and all(t in top for t, top in zip(c.token_ids, c.top_logprobs))

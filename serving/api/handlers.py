@@ -124,7 +124,7 @@ class Generation:
         c.num_cached_tokens = item.num_cached_tokens
         if out.logprobs is not None:
             c.logprobs.extend(max(lp, LOGPROB_FLOOR) for lp in out.logprobs[first:])
-            c.top_logprobs.extend([getattr(item, "top_logprobs", None)] * len(new))
+            c.top_logprobs.extend(out.top_logprobs[first:] if out.top_logprobs else [None] * len(new))
         self.counters.generation_tokens += len(new)
         text = c.text.add(new)
         if c.text.stopped is not None:

@@ -20,29 +20,13 @@ import threading
 import traceback
 from typing import Callable
 
-from serving.sampler import Sampler
 
 IDLE_WAIT_S = 0.5           # how long the idle thread sleeps on the queue before looking for stop()
-
-
-class TopLogprobsSampler(Sampler):
-    """The engine's sampler, keeping the top logprobs the engine drops: after a
-    step, last_top[request_id] is {token id: logprob} for that step's token."""
-
-    def __init__(self):
-        super().__init__()
-        self.last_top: dict[str, dict] = {}
-
-    def sample(self, logits, requests):
-        token_ids, logprobs, top = super().sample(logits, requests)
-        self.last_top = {r.request_id: t for r, t in zip(requests, top) if t is not None}
-        return token_ids, logprobs, top
 
 
 class EngineRunner:
     def __init__(self, engine, *, name: str = "engine"):
         self.engine = engine
-        self.engine.sampler = TopLogprobsSampler()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._deliver: dict[str, Callable] = {}
         self._stop = threading.Event()
@@ -118,12 +102,10 @@ class EngineRunner:
             for rid in list(self._deliver):
                 self._fail(rid, RuntimeError(f"the engine failed: {self.last_error}"))
             return
-        top = self.engine.sampler.last_top
         for out in outputs:
             deliver = self._deliver.get(out.request_id)
             if deliver is None:
                 continue
-            out.top_logprobs = top.get(out.request_id)       # this step's token's top logprobs, or None
             if out.finished:
                 del self._deliver[out.request_id]
             _call(deliver, out)
