@@ -107,6 +107,7 @@ def add_parser(subparsers):
     kv.add_argument("--num-pages", type=positive_int, help="cache size in pages instead of bytes")
     e.add_argument("--page-size", type=positive_int, default=64)
     e.add_argument("--enable-prefix-caching", action="store_true")
+    e.add_argument("--speculative", action="store_true", help="MTP drafts for greedy requests (docs/SERVING.md)")
     e.add_argument("--policy", choices=["continuous", "static"], default="continuous")
     e.add_argument("--long-prefill-token-threshold", type=nonnegative_int, default=0)
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-serve-<dataset>-<time>)")
@@ -155,7 +156,7 @@ def make_requests(args, vocab_size: int):
 def engine_kwargs(args) -> dict:
     kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               page_size=args.page_size, enable_prefix_caching=args.enable_prefix_caching, policy=args.policy,
-              long_prefill_token_threshold=args.long_prefill_token_threshold)
+              long_prefill_token_threshold=args.long_prefill_token_threshold, speculative=args.speculative)
     if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = args.kv_cache_memory
     if args.num_pages is not None:

@@ -50,6 +50,7 @@ def add_parser(subparsers):
     e.add_argument("--max-model-len", type=positive_int,
                    help="context per request (default: the model's, capped by what the KV pool holds)")
     e.add_argument("--enable-prefix-caching", action="store_true")
+    e.add_argument("--speculative", action="store_true", help="MTP drafts for greedy requests (docs/SERVING.md)")
     p.set_defaults(parser=p)
     return p
 
@@ -100,7 +101,8 @@ def build_app(args, model=None):
     try:
         engine = Engine(model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_memory=args.kv_cache_memory, page_size=args.page_size,
-                        enable_prefix_caching=args.enable_prefix_caching, max_model_len=max_model_len)
+                        enable_prefix_caching=args.enable_prefix_caching, max_model_len=max_model_len,
+                        speculative=args.speculative)
         tokenizer = load_tokenizer(args.checkpoint, cfg.vocab_size)
     except (ValueError, TypeError) as e:
         raise UsageError(f"engine arguments: {e}") from None
