@@ -131,6 +131,8 @@ def format_table(metrics: dict, extra: dict | None = None) -> str:
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
 
     def row(label, value):
+        if isinstance(value, (list, tuple)):      # e.g. MTP acceptance per draft position
+            value = " ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in value)
         fmt = "{:<40} {:<10.2f}" if isinstance(value, float) else "{:<40} {:<10}"
         lines.append(fmt.format(label, value))
 
