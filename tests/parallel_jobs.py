@@ -46,15 +46,21 @@ def train_job(dims: dict, *, micro_batches: int = 1, schedule: str = "1f1b", ste
 
 
 def reference(*, steps: int = 3, batch: int = 8, seq: int = 32, lr: float = 1e-4) -> dict:
-    """The single-process run of the same global batches."""
-    trainer = Trainer(preset("tiny"), ParallelDims(), None, lr=lr)
-    losses, grads = [], None
-    for x, y in batches(steps, batch, seq):
-        losses.append(trainer.backward(x, y))
-        if grads is None:
-            grads = trainer.full_gradients()
-        trainer.optimizer_step()
-    return dict(losses=losses, grads=grads, params=trainer.full_parameters())
+    """The single-process run of the same global batches (one thread: tiny
+    ops on threads that other processes share spend their time at barriers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = Trainer(preset("tiny"), ParallelDims(), None, lr=lr)
+        losses, grads = [], None
+        for x, y in batches(steps, batch, seq):
+            losses.append(trainer.backward(x, y))
+            if grads is None:
+                grads = trainer.full_gradients()
+            trainer.optimizer_step()
+        return dict(losses=losses, grads=grads, params=trainer.full_parameters())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def merged(results: list[dict], key: str) -> dict:

@@ -86,6 +86,14 @@ class Trainer:
                 loss += micro.detach()
         return self._global_mean(loss)
 
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The mean loss of the global batch (x, y) without training on it (pp = 1)."""
+        if self.dims.pp > 1:
+            raise NotImplementedError("eval_loss runs the whole model in each process: pp must be 1")
+        x, y = self.local_rows(x), self.local_rows(y)
+        return self._global_mean(lm_loss(self.model(x), y))
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
