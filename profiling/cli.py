@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command = "glm5-lab " + shlex.join(argv)
-    run = {"profile": profile_cmd.run, "bench": bench_cmd.run, "inspect": inspect_cmd.run, "train": train_cmd.run}[args.command_name]
+    run = {"profile": profile_cmd.run, "bench": bench_cmd.run, "inspect": inspect_cmd.run,
+           "train": train_cmd.run}[args.command_name]
     try:
         return run(args)
     except UsageError as e:

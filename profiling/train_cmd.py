@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .args import UsageError, positive_float, positive_int
+from .args import UsageError, nonnegative_int, positive_float, positive_int
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -55,7 +55,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per process (default: torch's; torchrun sets OMP_NUM_THREADS=1)")
-    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches (0: none)")
+    p.add_argument("--eval-batches", type=nonnegative_int, default=4, help="held-out batches (0: none)")
     p.add_argument("--no-overlap", action="store_true",
                    help="one FSDP unit for the whole model: gradients reduced after the whole backward, not per "
                         "layer as they become ready")
@@ -92,6 +92,11 @@ def _validate(args, config, dims, world: int) -> None:
     if args.batch % (dims.data_parallel * args.micro_batches):
         raise UsageError(f"--batch {args.batch} must divide into dp_shard x ep = {dims.data_parallel} processes x "
                          f"--micro-batches {args.micro_batches}")
+    if dims.pp > 1 and args.micro_batches < dims.pp:
+        raise UsageError(f"--micro-batches {args.micro_batches} must be at least --pp {dims.pp} (the pipeline "
+                         "schedules need a micro-batch per stage)")
+    if args.dtype != "fp32" and dims.data_parallel == 1:
+        raise UsageError(f"--dtype {args.dtype} is FSDP2's MixedPrecisionPolicy: it needs dp_shard x ep > 1")
     if args.seq >= config.max_position_embeddings:
         raise UsageError(f"--seq {args.seq} must be below max_position_embeddings={config.max_position_embeddings}")
 
@@ -152,11 +157,12 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
                 loss = trainer.step(x, y)
             dt = time.perf_counter() - t0
             row = dict(step=step, loss=loss, tokens_per_s=tokens / dt, step_s=dt, comm_s=comm.seconds,
-                       collectives=dict(comm.counts), peak_mib=_peak_mib(device))
+                       collectives=dict(comm.counts), peak_mib=_peak_mib(device),
+                       state_mib=trainer.state_bytes() / 2**20)
             if rank == 0:
                 print(f"[train] step {step:4d}  loss {loss:.4f}  {row['tokens_per_s']:.0f} tok/s  "
                       f"{dt * 1e3:.0f} ms ({comm.seconds * 1e3:.0f} ms in collectives)  "
-                      f"peak {row['peak_mib']:.0f} MiB", flush=True)
+                      f"peak {row['peak_mib']:.0f} MiB (weights+grads+Adam {row['state_mib']:.0f} MiB)", flush=True)
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
         if args.eval_batches and dims.pp == 1:
@@ -167,6 +173,10 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
                 metrics.write(json.dumps(dict(held_out_loss=sum(held) / len(held))) + "\n")
         if metrics is not None:
             metrics.close()
+        if world > 1:
+            # gloo: a process tearing its group down while a peer still uses
+            # the connections can abort that peer (std::terminate)
+            dist.barrier()
     finally:
         if world > 1:
             dist.destroy_process_group()

@@ -34,6 +34,7 @@ def _worker(rank: int, world: int, port: int, jobs, results, timeout_s: float):
         while True:
             job = jobs.get()
             if job is None:
+                dist.barrier()   # gloo: no process tears down its group while a peer still uses it
                 return
             fn, kwargs = job
             try:

@@ -23,14 +23,14 @@ def batches(steps: int, batch: int, seq: int, seed: int = 0):
 
 
 def train_job(dims: dict, *, micro_batches: int = 1, schedule: str = "1f1b", steps: int = 3, batch: int = 8,
-              seq: int = 32, lr: float = 1e-4, overlap: bool = True) -> dict:
+              seq: int = 32, lr: float = 1e-4, overlap: bool = True, attn: str = "dsa") -> dict:
     """losses and gradient collectives per step, and (from one process per
     pipeline stage) the stage's whole gradients after the first backward and
     whole parameters at the end."""
     d = ParallelDims(**dims)
     mesh = d.build_mesh("cpu")
     trainer = Trainer(preset("tiny"), d, mesh, micro_batches=micro_batches, schedule=schedule, lr=lr,
-                      overlap=overlap)
+                      overlap=overlap, attn=attn)
     losses, grad_collectives, grads = [], [], None
     for x, y in batches(steps, batch, seq):
         with CommMeter() as comm:
@@ -45,13 +45,13 @@ def train_job(dims: dict, *, micro_batches: int = 1, schedule: str = "1f1b", ste
                 params=params if owner else None)
 
 
-def reference(*, steps: int = 3, batch: int = 8, seq: int = 32, lr: float = 1e-4) -> dict:
+def reference(*, steps: int = 3, batch: int = 8, seq: int = 32, lr: float = 1e-4, attn: str = "dsa") -> dict:
     """The single-process run of the same global batches (one thread: tiny
     ops on threads that other processes share spend their time at barriers)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = Trainer(preset("tiny"), ParallelDims(), None, lr=lr)
+        trainer = Trainer(preset("tiny"), ParallelDims(), None, lr=lr, attn=attn)
         losses, grads = [], None
         for x, y in batches(steps, batch, seq):
             losses.append(trainer.backward(x, y))

@@ -26,6 +26,7 @@ SMALL_RUN = ["--preset", "tiny", "--steps", "2", "--seq", "32", "--batch", "4", 
     (4, ["--pp", "4"], "pp=4 must be at most the layer count num_hidden_layers=3"),
     (3, ["--ep", "3"], "ep=3 must divide n_routed_experts=8"),
     (2, ["--dp-shard", "2", "--batch", "3"], "--batch 3 must divide into dp_shard x ep = 2"),
+    (2, ["--pp", "2", "--micro-batches", "1"], "--micro-batches 1 must be at least --pp 2"),
 ])
 def test_bad_mesh_is_refused_before_any_work(monkeypatch, capsys, tmp_path, world, flags, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))

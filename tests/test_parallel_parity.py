@@ -38,8 +38,8 @@ GRAD_RTOL = 1e-5
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(batch: int):
-    return reference(batch=batch)
+def _reference(batch: int, seq: int = 32, attn: str = "dsa"):
+    return reference(batch=batch, seq=seq, attn=attn)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def pool4():
     pool.close()
 
 
-def _check_parity(results, batch: int = 8):
-    ref = _reference(batch)
+def _check_parity(results, batch: int = 8, **run):
+    ref = _reference(batch, **run)
     for r in results:   # every process reports the same global loss
         for got, want in zip(r["losses"], ref["losses"]):
             assert abs(got - want) <= LOSS_RTOL * abs(want), (r["losses"], ref["losses"])
@@ -71,6 +71,12 @@ def _check_parity(results, batch: int = 8):
 ], ids=["dp4", "dp2xtp2", "tp2xpp2-1f1b", "dp2xep2", "pp2xep2-gpipe"])
 def test_parity_4_processes(pool4, dims, micro_batches, schedule):
     _check_parity(pool4.run(train_job, dims=dims, micro_batches=micro_batches, schedule=schedule))
+
+
+def test_parity_tp_expanded_mla_dense(pool4):
+    """64 queries: dense attention runs MLA's expanded form (per-head K/V from kv_b_proj's local heads)."""
+    run = dict(seq=64, attn="dense")
+    _check_parity(pool4.run(train_job, dims=dict(dp_shard=2, tp=2), **run), **run)
 
 
 def test_gradient_accumulation_syncs_once(pool4):

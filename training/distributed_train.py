@@ -33,6 +33,9 @@ class Trainer:
                  overlap: bool = True, device: str | torch.device = "cpu"):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        if dims.pp > 1 and micro_batches < dims.pp:
+            raise ValueError(f"micro_batches ({micro_batches}) must be at least pp ({dims.pp}): the pipeline "
+                             "schedules need a micro-batch per stage")
         if mesh is None and dims.world_size != 1:
             raise ValueError(f"a mesh is needed for {dims.world_size} processes")
         dims.validate(config, dims.world_size)
@@ -120,6 +123,18 @@ class Trainer:
         return float(total) / self.dims.data_parallel
 
     # -- inspection --------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of parameters, their gradients (as held at the optimizer step:
+        one per parameter the optimizer has state for) and the optimizer state
+        this process holds: its shards only."""
+        def local(t):
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+        total = sum(local(p) for p in self.model.parameters())
+        for p, state in self.optimizer.state.items():
+            total += local(p) + sum(local(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
+        return total
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """name -> the whole tensor (CPU) for every parameter of this stage; a
         collective: every process of the stage calls it."""

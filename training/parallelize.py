@@ -175,7 +175,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for layer in model.model.layers.values():
         attn = layer.self_attn
         plan = {"self_attn.q_b_proj": ColwiseParallel(), "self_attn.kv_b_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(), # The keys every head reads: the normed latent, then k_rot (kv_a_proj's last channels).
+                "self_attn.o_proj": RowwiseParallel(),
+                # The keys every head reads: the normed latent, then k_rot (kv_a_proj's last channels).
                 "self_attn.kv_a_layernorm": SumGradOverTP(),
                 "self_attn.kv_a_proj_with_mqa": SumGradOverTP(start=attn.kv_lora)}
         plan.update(_mlp_plan("mlp.shared_experts" if isinstance(layer.mlp, MoE) else "mlp"))

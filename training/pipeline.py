@@ -102,7 +102,8 @@ def build_schedule(model: nn.Module, stage_index: int, num_stages: int, *, micro
     # requires_grad: tells the stages that a gradient travels back across the boundary
     hidden = torch.empty(b, S, hidden_size, dtype=dtype, device="meta", requires_grad=True)
     inputs = example.to("meta") if stage_index == 0 else hidden
-    outputs = torch.empty(b, S, model.config.vocab_size, dtype=dtype, device="meta") if stage_index == num_stages - 1 else hidden
+    last = stage_index == num_stages - 1
+    outputs = torch.empty(b, S, model.config.vocab_size, dtype=dtype, device="meta") if last else hidden
     stage = PipelineStage(model, stage_index, num_stages, device, input_args=(inputs,), output_args=(outputs,),
                           group=group)
     return kinds[schedule](stage, n_microbatches=micro_batches, loss_fn=lm_loss)
