@@ -44,7 +44,8 @@ def add_parser(subparsers) -> None:
         p.add_argument(f"--{dim}", type=positive_int, default=1)
     p.add_argument("--micro-batches", type=positive_int, default=1, metavar="K",
                    help="gradient accumulation steps (pp > 1: the pipeline's micro-batches)")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeline schedule (pp > 1)")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                   help="pipeline schedule (pp > 1; training/pipeline.py SCHEDULES)")
     p.add_argument("--batch", type=positive_int, default=8, help="global batch, in sequences")
     p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
     p.add_argument("--steps", type=positive_int, default=20)

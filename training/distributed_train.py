@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from models.glm5 import GLM5ForCausalLM
 from models.glm5.config import GLM5Config
 from training.parallelize import ParallelDims, data_rank, parallelize
-from training.pipeline import build_schedule, keep_layers, lm_loss, split_layers
+from training.pipeline import SCHEDULES, build_schedule, keep_layers, lm_loss, split_layers
 
 
 class Trainer:
@@ -36,6 +37,8 @@ class Trainer:
         if dims.pp > 1 and micro_batches < dims.pp:
             raise ValueError(f"micro_batches ({micro_batches}) must be at least pp ({dims.pp}): the pipeline "
                              "schedules need a micro-batch per stage")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if mesh is None and dims.world_size != 1:
             raise ValueError(f"a mesh is needed for {dims.world_size} processes")
         dims.validate(config, dims.world_size)
@@ -55,7 +58,7 @@ class Trainer:
         # foreach=False: the parameters mix DTensors of different meshes and plain tensors.
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                                            foreach=False)
-        self.fsdp = hasattr(model, "set_requires_gradient_sync")
+        self.fsdp = isinstance(model, FSDPModule)
         self._schedule = None
 
     # -- one optimizer step ----------------------------------------------------
