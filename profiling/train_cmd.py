@@ -16,7 +16,9 @@ is held out. Each step prints a progress line (loss, tokens/s, peak memory,
 time in torch.distributed collectives) and rank 0 appends the same as one
 JSON object to DIR/metrics.jsonl; the held-out loss is printed at the end
 (pp = 1 only: the pipeline schedules have no forward-only step on every
-release this lab supports).
+release this lab supports), and DIR/checkpoint gets config.json and
+model.safetensors (fp32, experts stacked) that GLM5ForCausalLM.from_pretrained
+loads (no tokenizer files: the tokens are bytes).
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-overlap", action="store_true",
                    help="one FSDP unit for the whole model: gradients reduced after the whole backward, not per "
                         "layer as they become ready")
+    p.add_argument("--no-checkpoint", action="store_true", help="do not write DIR/checkpoint at the end")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=run, parser=p)
 
@@ -174,6 +177,11 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
                 metrics.write(json.dumps(dict(held_out_loss=sum(held) / len(held))) + "\n")
         if metrics is not None:
             metrics.close()
+        if not args.no_checkpoint:
+            trainer.save_pretrained(os.path.join(args.out, "checkpoint"))
+            if rank == 0:
+                print(f"[train] checkpoint: {os.path.join(args.out, 'checkpoint')} (GLM5ForCausalLM.from_pretrained)",
+                      flush=True)
         if world > 1:
             # gloo: a process tearing its group down while a peer still uses
             # the connections can abort that peer (std::terminate)

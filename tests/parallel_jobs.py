@@ -23,7 +23,8 @@ def batches(steps: int, batch: int, seq: int, seed: int = 0):
 
 
 def train_job(dims: dict, *, micro_batches: int = 1, schedule: str = "1f1b", steps: int = 3, batch: int = 8,
-              seq: int = 32, lr: float = 1e-4, overlap: bool = True, attn: str = "dsa") -> dict:
+              seq: int = 32, lr: float = 1e-4, overlap: bool = True, attn: str = "dsa",
+              save_to: str | None = None) -> dict:
     """losses and gradient collectives per step, and (from one process per
     pipeline stage) the stage's whole gradients after the first backward and
     whole parameters at the end."""
@@ -40,6 +41,8 @@ def train_job(dims: dict, *, micro_batches: int = 1, schedule: str = "1f1b", ste
             grads = trainer.full_gradients()
         trainer.optimizer_step()
     params = trainer.full_parameters()
+    if save_to is not None:
+        trainer.save_pretrained(save_to)
     owner = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
     return dict(losses=losses, grad_collectives=grad_collectives, grads=grads if owner else None,
                 params=params if owner else None)

@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from models.glm5 import GLM5ForCausalLM
 from models.glm5.config import preset
 from profiling import cli
 from training.parallelize import ParallelDims
@@ -73,7 +75,7 @@ def test_one_process_run_writes_metrics(tmp_path, capsys):
 
 def test_torchrun_two_processes_match_one(tmp_path):
     """dp_shard=2 under torchrun: rank 0 writes the metrics, FSDP2 reduce-scatters, and the
-    losses and held-out loss are the one-process command's."""
+    losses, held-out loss and checkpoint are the one-process command's."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "profiling",
            "train", *SMALL_RUN, "--dp-shard", "2", "--out", str(tmp_path / "two")]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -85,3 +87,10 @@ def test_torchrun_two_processes_match_one(tmp_path):
     for a, b in zip(two, one):
         got, want = a.get("loss", a.get("held_out_loss")), b.get("loss", b.get("held_out_loss"))
         assert abs(got - want) <= 1e-5 * abs(want), (two, one)
+    # both checkpoints load, hold the same weights, and give the same logits
+    models = [GLM5ForCausalLM.from_pretrained(str(tmp_path / run / "checkpoint"), verbose=False)
+              for run in ("two", "one")]
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [m(ids) for m in models]
+    assert (logits[0] - logits[1]).norm() <= 1e-5 * logits[1].norm()

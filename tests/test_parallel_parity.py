@@ -27,6 +27,7 @@ import pytest
 import torch.distributed as dist
 
 from gloo_pool import GlooPool
+from models.glm5 import GLM5ForCausalLM
 from parallel_jobs import merged, reference, train_job, worst_rel
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -88,6 +89,15 @@ def test_gradient_accumulation_syncs_once(pool4):
     counts1, counts4 = k1[0]["grad_collectives"], k4[0]["grad_collectives"]
     assert counts1[0] > 1 and counts4 == counts1, (counts1, counts4)
     _check_parity(k4, batch=16)
+
+
+def test_checkpoint_of_pipeline_and_experts_loads(pool4, tmp_path):
+    """pp=2 x ep=2: save_pretrained merges the stages and gathers the experts into one
+    checkpoint that from_pretrained loads with the trained weights."""
+    results = pool4.run(train_job, dims=dict(pp=2, ep=2), micro_batches=2, steps=1, save_to=str(tmp_path))
+    loaded = dict(GLM5ForCausalLM.from_pretrained(str(tmp_path), verbose=False).named_parameters())
+    err, name = worst_rel({n: p.detach() for n, p in loaded.items()}, merged(results, "params"))
+    assert err == 0.0, f"{name}: {err:.2e}"
 
 
 def test_parity_8_processes_3d():

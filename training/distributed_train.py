@@ -17,6 +17,8 @@ pipeline schedule's, and the schedule does the same.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -142,6 +144,25 @@ class Trainer:
         """name -> the whole tensor (CPU) for every parameter of this stage; a
         collective: every process of the stage calls it."""
         return self._gather(lambda p: p)
+
+    def save_pretrained(self, path: str) -> None:
+        """Writes config.json and model.safetensors (experts stacked, every
+        stage's tensors, fp32) that GLM5ForCausalLM.from_pretrained loads. A
+        collective: every process calls it; process 0 writes."""
+        from safetensors.torch import save_file
+        tensors = self.full_parameters()
+        tensors.update({n: b.detach().cpu().clone() for n, b in self.model.named_buffers()})
+        rank = dist.get_rank() if self.mesh is not None else 0
+        if self.mesh is not None:
+            owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+            parts = [None] * dist.get_world_size() if rank == 0 else None
+            dist.gather_object(tensors if owner else None, parts, dst=0)
+            if rank == 0:
+                tensors = {n: t for part in parts if part is not None for n, t in part.items()}
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+            self.config.replace(num_nextn_predict_layers=0).to_json(os.path.join(path, "config.json"))
+            save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, "model.safetensors"))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """name -> the whole gradient (CPU) of every parameter of this stage that has one (a collective)."""
