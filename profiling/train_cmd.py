@@ -56,6 +56,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="FSDP2 MixedPrecisionPolicy param dtype (gradients reduced in fp32)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA (NCCL) when a GPU is visible, else CPU (gloo)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per process (default: torch's; torchrun sets OMP_NUM_THREADS=1)")
     p.add_argument("--eval-batches", type=nonnegative_int, default=4, help="held-out batches (0: none)")
@@ -101,6 +103,12 @@ def _validate(args, config, dims, world: int) -> None:
                          "schedules need a micro-batch per stage)")
     if args.dtype != "fp32" and dims.data_parallel == 1:
         raise UsageError(f"--dtype {args.dtype} is FSDP2's MixedPrecisionPolicy: it needs dp_shard x ep > 1")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda" and local_rank >= torch.cuda.device_count():
+        raise UsageError(f"--device cuda: process {local_rank} of this node has no GPU of its own "
+                         f"({torch.cuda.device_count()} visible)")
     if args.seq >= config.max_position_embeddings:
         raise UsageError(f"--seq {args.seq} must be below max_position_embeddings={config.max_position_embeddings}")
 
@@ -129,7 +137,7 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
     from training.comm_meter import CommMeter
     from training.distributed_train import Trainer
     from training.train import batch as sample
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda"
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")

@@ -19,7 +19,7 @@ from training.pipeline import split_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_RUN = ["--preset", "tiny", "--steps", "2", "--seq", "32", "--batch", "4", "--corpus-mib", "0.1",
-             "--eval-batches", "1", "--threads", "1"]
+             "--eval-batches", "1", "--threads", "1", "--device", "cpu"]
 
 
 @pytest.mark.parametrize("world,flags,message", [
