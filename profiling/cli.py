@@ -4,6 +4,7 @@
     glm5-lab bench [--filter EXPR] [--compare RUN.json] [--gpu-suite]
     glm5-lab inspect --preset glm-5 [--context N]
     glm5-lab serve --preset tiny --port 8000
+    torchrun --nproc_per_node=4 -m profiling train --preset tiny --dp-shard 2 --tp 2 --out runs/train
 
 Argument errors print the usage line and exit 2 (argparse's convention).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from . import bench_cmd, bench_serve_cmd, profile_cmd, serve_cmd
+from . import bench_cmd, bench_serve_cmd, profile_cmd, serve_cmd, train_cmd
 from .args import UsageError
 from . import inspect as inspect_cmd
 
@@ -20,12 +21,14 @@ from . import inspect as inspect_cmd
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glm5-lab", description="GLM-5 Kernel Lab: where the time goes in GLM-5 and what each kernel buys.")
-    sub = parser.add_subparsers(dest="command_name", metavar="{profile,bench,bench-serve,serve,inspect}", required=True)
+    sub = parser.add_subparsers(dest="command_name", metavar="{profile,bench,bench-serve,serve,inspect,train}",
+                                required=True)
     profile_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     bench_serve_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     inspect_cmd.add_parser(sub)
+    train_cmd.add_parser(sub)
     return parser
 
 
@@ -37,7 +40,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.command = "glm5-lab " + shlex.join(argv)
     run = {"profile": profile_cmd.run, "bench": bench_cmd.run, "bench-serve": bench_serve_cmd.run, "serve": serve_cmd.run,
-           "inspect": inspect_cmd.run}[args.command_name]
+           "inspect": inspect_cmd.run, "train": train_cmd.run}[args.command_name]
     try:
         return run(args)
     except UsageError as e:
