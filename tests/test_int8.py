@@ -47,8 +47,8 @@ def test_quantize_rows_matches_oracle(impl, poisoned, shape, dtype):
         assert bool((err <= s.double()[..., None] * (0.5 + 1e-5)).all())   # slack: x / scale rounds in fp32
 
 
-@pytest.mark.parametrize("M", [1, 3, 5, 16, 17, 40])
-@pytest.mark.parametrize("K,N", [(37, 11), (100, 65), (257, 130)])
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("K,N", [(37, 11), (257, 130)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):

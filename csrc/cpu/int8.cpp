@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "parallel.h"
 
 namespace glm5 {
 namespace cpu {
@@ -124,8 +125,9 @@ void gemv_block(const float* x, int64_t M, int64_t K, const int8_t* w, const flo
 // y[M,N] fp32 = x[M,K] fp32 @ (w * scale)^T + bias, all threads over weight-row blocks.
 void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
           float* y) {
-  at::parallel_for(0, (N + kRowBlock - 1) / kRowBlock, 1, [&](int64_t b0, int64_t b1) {
-    gemv_block(x, M, K, w, scale, bias, b0 * kRowBlock, std::min(N, b1 * kRowBlock), y, N);
+  // Dynamic hand-out: a thread whose core is busy with another process takes fewer blocks.
+  parallel_dynamic((N + kRowBlock - 1) / kRowBlock, [] { return 0; }, [&](int64_t b, int) {
+    gemv_block(x, M, K, w, scale, bias, b * kRowBlock, std::min(N, (b + 1) * kRowBlock), y, N);
   });
 }
 
