@@ -119,21 +119,38 @@ def bench_ops(a) -> dict:
 
     c = preset(a.preset)
     K, N = c.hidden_size, c.intermediate_size
-    wf = torch.randn(N, K) * K ** -0.5
-    q, s = glm5_ops.quantize_int8(wf)
-    wb = wf.bfloat16()
+    # Decode reads each layer's weights once per token: the M=1 timings cycle
+    # through `copies` weight sets, 2x the L3 cache in int8, so no call finds its
+    # weights in cache (a model's layers are distinct weights too).
+    copies = max(1, 2 * a.l3_mib * 2**20 // (N * K))
+    wfs = [torch.randn(N, K) * K ** -0.5 for _ in range(copies)]
+    qs = [glm5_ops.quantize_int8(w) for w in wfs]
+    wbs = [w.bfloat16() for w in wfs]
+    wf, (q, s), wb = wfs[0], qs[0], wbs[0]
     x1 = torch.randn(1, K)
+
+    def cycling(fn, items):
+        state = {"i": 0}
+
+        def run():
+            state["i"] = (state["i"] + 1) % len(items)
+            return fn(items[state["i"]])
+        return run
+
     ts = interleaved({
-        "fp32": lambda: torch.nn.functional.linear(x1, wf),
-        "bf16": lambda: torch.nn.functional.linear(x1.bfloat16(), wb),
-        "int8_linear": lambda: glm5_ops.int8_linear(x1, q, s),
-        "aten_int8pack_fp32": lambda: torch.ops.aten._weight_int8pack_mm(x1, q, s),
-        "aten_int8pack_bf16": lambda: torch.ops.aten._weight_int8pack_mm(x1.bfloat16(), q, s.bfloat16()),
-    }, reps=50, rounds=a.rounds)
+        "fp32": cycling(lambda w: torch.nn.functional.linear(x1, w), wfs),
+        "bf16": cycling(lambda w: torch.nn.functional.linear(x1.bfloat16(), w), wbs),
+        "int8_linear": cycling(lambda qs_: glm5_ops.int8_linear(x1, *qs_), qs),
+        "aten_int8pack_fp32": cycling(lambda qs_: torch.ops.aten._weight_int8pack_mm(x1, *qs_), qs),
+        "aten_int8pack_bf16": cycling(lambda qs_: torch.ops.aten._weight_int8pack_mm(x1.bfloat16(), qs_[0],
+                                                                                    qs_[1].bfloat16()), qs),
+    }, reps=5 * copies, rounds=a.rounds)
     res["linear_M1_us"] = {k: v * 1e6 for k, v in ts.items()}
     res["int8_linear_M1_GBps"] = q.nbytes / ts["int8_linear"] / 1e9
-    log(f"linear M=1 [{N}x{K}] us: " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in ts.items())
+    log(f"linear M=1 [{N}x{K}], {copies} weight sets cycled, us: "
+        + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in ts.items())
         + f"; int8_linear reads {res['int8_linear_M1_GBps']:.1f} GB/s")
+    del wfs, wbs
 
     xm = torch.randn(a.prefill, K)
     xmb = xm.bfloat16()
@@ -147,9 +164,13 @@ def bench_ops(a) -> dict:
     log(f"linear M={a.prefill} [{N}x{K}] ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ts.items()))
 
     E, I, D, k = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.num_experts_per_tok
-    wgu, sgu = glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5)
-    wd, sd = glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)
-    wgu_f, wd_f = (wgu.float() * sgu[..., None]), (wd.float() * sd[..., None])
+    # As many MoE layers as the model has, cycled: 6 x 64 experts = 288 MiB in int8, far above L3.
+    layers = []
+    for _ in range(sum(t == "sparse" for t in c.mlp_layer_types)):
+        wgu, sgu = glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5)
+        wd, sd = glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)
+        layers.append((wgu, sgu, wd, sd))
+    fp32_layers = [(l[0].float() * l[1][..., None], l[2].float() * l[3][..., None]) for l in layers[:2]]
     res["fused_moe_decode"] = {}
     for T in (1, 4, 16):
         g = torch.Generator().manual_seed(T)
@@ -158,8 +179,9 @@ def bench_ops(a) -> dict:
         w = torch.rand(T, k)
         n_exp = int(ids.unique().numel())
         nbytes = n_exp * (3 * I * D + 4 * (2 * I + D))
-        ts = interleaved({"int8": lambda: glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, w, ids),
-                          "fp32": lambda: glm5_ops.fused_moe(x, wgu_f, wd_f, w, ids)}, reps=20, rounds=a.rounds)
+        ts = interleaved({"int8": cycling(lambda l: glm5_ops.fused_moe_int8(x, *l, w, ids), layers),
+                          "fp32": cycling(lambda l: glm5_ops.fused_moe(x, *l, w, ids), fp32_layers)},
+                         reps=4 * len(layers), rounds=a.rounds)
         gbps = nbytes / ts["int8"] / 1e9
         res["fused_moe_decode"][T] = dict(experts=n_exp, int8_us=ts["int8"] * 1e6, fp32_us=ts["fp32"] * 1e6,
                                           int8_GBps=gbps, share_of_bandwidth=gbps / res["bandwidth_GBps"])
@@ -214,7 +236,7 @@ def bench_model(a) -> dict:
                     m(ids[:, a.context + s:a.context + s + 1], cache)
             return run
 
-        names = [n for n in models if n != "int8_linears_only" or True]
+        names = list(models)
         fns = {n: decode(models[n], caches["bf16" if n == "bf16" else "fp32"]) for n in names}
         log(f"decode: {a.decode_steps} steps per sample, {a.rounds} rounds over {list(fns)}")
         ts = interleaved(fns, reps=1, rounds=a.rounds)
@@ -248,9 +270,13 @@ def main(argv=None):
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--l3-mib", type=int, default=32, help="last-level cache size, for the cache-cold op timings")
+    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-model", action="store_true", help="ops only")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     log(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     res = {"args": vars(a), "ops": bench_ops(a)}
     if not a.skip_model:
