@@ -56,6 +56,19 @@ TORCH_LIBRARY(glm5, m) {
   m.def("quantize_groupwise(Tensor x, int bits, int group_size, bool stochastic, int seed) -> (Tensor, Tensor, Tensor)");
   m.def("dequantize(Tensor packed, Tensor scale, Tensor zero, int bits, int group_size, SymInt[] shape, "
         "ScalarType dtype) -> Tensor");
+
+  // --- INT8 inference (per-row symmetric int8: x ~ q * scale, q in [-127, 127]) ---
+  // x[..., K] -> (q int8[..., K], scale fp32[...])
+  m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  // x[M,K] float, w int8[N,K], scale fp32[N], bias[N] -> [M,N] x.dtype: weight-only int8
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  // the same with x quantised per row at run time (dynamic W8A8, int32 accumulation)
+  m.def("w8a8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  // fused_moe_fwd with int8 experts: w_gate_up int8[E,2I,D], gate_up_scale fp32[E,2I],
+  // w_down int8[E,D,I], down_scale fp32[E,D] -> [T,D] x.dtype; w8a8: an expert's rows (when it has
+  // more than a few) are quantised per row at run time and multiplied in int8, as in w8a8_linear
+  m.def("fused_moe_int8(Tensor x, Tensor w_gate_up, Tensor gate_up_scale, Tensor w_down, Tensor down_scale, "
+        "Tensor weights, Tensor ids, bool w8a8) -> Tensor");
 }
 
 // The Python module glm5_ops._C: importing it runs the registrations above

@@ -615,3 +615,84 @@ def dequantize(packed, scale, zero, bits, group_size, shape, dtype=torch.float32
     q = ((packed.reshape(-1, 1) >> shifts) & mask).reshape(G, group_size).float()
     x = zero.float().reshape(G, 1) + q * scale.float().reshape(G, 1)
     return x.reshape(shape).to(dtype)
+
+
+# --------------------------------------------------------------------------
+# INT8 inference: per-row symmetric int8 (weights per output channel,
+# activations per token)
+# --------------------------------------------------------------------------
+#
+# A row r of x [..., K] is stored as q int8 [..., K] and scale fp32 [...]:
+#   scale[r] = max_k |x[r, k]| / 127   (computed in fp32)
+#   q[r, k]  = clamp(round(x[r, k] / scale[r]), -127, 127)   (half to even, exact fp32
+#              division; 0 for an all-zero row), so |x - q * scale| <= scale / 2.
+# -128 is never produced: the range is symmetric, so negating a row negates its codes.
+
+def int8_quantize_rows(x):
+    """(q int8 [..., K], scale fp32 [...]) for floating x [..., K] (layout above)."""
+    xf = x.detach().float()
+    if xf.shape[-1] == 0:
+        return torch.zeros(xf.shape, dtype=torch.int8, device=x.device), torch.zeros(xf.shape[:-1], device=x.device)
+    scale = xf.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    q = torch.where(scale[..., None] > 0, torch.round(xf / safe), torch.zeros_like(xf))
+    return q.clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_dequantize_rows(q, scale, dtype=torch.float32):
+    """q * scale[..., None] as `dtype` (computed in fp32)."""
+    return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+def int8_linear(x, w, scale, bias=None):
+    """Weight-only int8 linear: x [M,K] float, w int8 [N,K], scale fp32 [N],
+    bias [N] or None -> [M,N] in x.dtype:
+        y = x @ (w * scale[:, None])^T + bias
+    The kernels accumulate in fp32; this oracle in float64, then casts once."""
+    y = x.double() @ (w.double() * scale.double()[:, None]).T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+def w8a8_linear(x, w, scale, bias=None):
+    """Dynamic W8A8 linear: each row of x [M,K] is quantised as above
+    (qx, sx = int8_quantize_rows(x)), then
+        y[m, n] = (sum_k qx[m, k] * w[n, k]) * sx[m] * scale[n] + bias[n]
+    The integer sum is exact (int32 in the kernels, K <= 131072 keeps it in range;
+    float64 here); the scaling is fp32 in the kernels. Returns [M,N] in x.dtype."""
+    qx, sx = int8_quantize_rows(x)
+    y = (qx.double() @ w.double().T) * sx.double()[:, None] * scale.double()[None, :]
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)
+
+
+# fused_moe_int8(w8a8=True) quantises the activations of an expert with more than
+# this many rows; fewer rows (decode) run weight-only, since their time goes to
+# reading the weights, which are int8 either way.
+W8A8_MIN_ROWS = 16
+
+
+def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8=False):
+    """fused_moe with int8 experts: w_gate_up int8 [E,2I,D] with gate_up_scale fp32
+    [E,2I] (per output row), w_down int8 [E,D,I] with down_scale fp32 [E,D].
+    x [T,D] float, weights [T,k], ids int32 [T,k] in [0,E). Returns [T,D] in x.dtype:
+        out[t] = sum_j weights[t,j] * expert_e(x[t]),  e = ids[t,j]
+    Weight-only: expert_e is swiglu_expert on the dequantised weights (float64 here).
+    w8a8=True, for an expert with more than W8A8_MIN_ROWS rows: its gate/up input
+    rows and its down input rows are quantised per row as in w8a8_linear
+    (fp32 between the two products); other experts run weight-only."""
+    T, D = x.shape
+    out = torch.zeros(T, D, dtype=torch.float64, device=x.device)
+    ids_l = ids.long()
+    for e in torch.unique(ids_l).tolist():
+        token_idx, slot = torch.where(ids_l == e)
+        if w8a8 and token_idx.numel() > W8A8_MIN_ROWS:
+            gate, up = w8a8_linear(x[token_idx].float(), w_gate_up[e], gate_up_scale[e]).chunk(2, dim=-1)
+            y = w8a8_linear(F.silu(gate) * up, w_down[e], down_scale[e]).double()
+        else:
+            y = swiglu_expert(x[token_idx].double(), int8_dequantize_rows(w_gate_up[e], gate_up_scale[e], torch.float64),
+                              int8_dequantize_rows(w_down[e], down_scale[e], torch.float64))
+        out = out.index_add(0, token_idx, y * weights[token_idx, slot, None].double())
+    return out.to(x.dtype)

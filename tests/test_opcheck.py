@@ -87,6 +87,19 @@ def _combine():
             (fresh(N, 8, dtype=torch.float16), plan.token_slot, fresh(9, 3))]
 
 
+def _int8_linear_cases():
+    w, s = torch.ops.glm5.int8_quantize_rows(fresh(24, 40))
+    return [(fresh(3, 40), w, s, None), (fresh(20, 40, dtype=torch.bfloat16), w, s, fresh(24, dtype=torch.bfloat16))]
+
+
+def _fused_int8(T):
+    x, wgu, wd, w, ids = (a.detach() for a in _fused(torch.float32))
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(T)]).to(DEVICE, torch.int32)
+    return (fresh(T, 8), *torch.ops.glm5.int8_quantize_rows(wgu), *torch.ops.glm5.int8_quantize_rows(wd),
+            fresh(T, 2).abs(), ids)
+
+
 CASES = {
     "topk_indices": lambda: [(fresh(4, 100), 7, False), (fresh(3, 2, 50, dtype=torch.float16), 50, True)],
     "indexer_scores": lambda: [_indexer(), _indexer(False), _indexer(True, True)],
@@ -112,6 +125,10 @@ CASES = {
                               for dtype in (torch.float32, torch.bfloat16, torch.float64)],
     "quantize_groupwise": lambda: [(fresh(6, 256), 8, 128, False, 0), (fresh(6, 256, dtype=torch.float16), 4, 64,
                                                                         True, 5), (fresh(3, 96), 2, 32, False, 0)],
+    "int8_quantize_rows": lambda: [(fresh(5, 37),), (fresh(2, 3, 64, dtype=torch.bfloat16),)],
+    "int8_linear": lambda: _int8_linear_cases(),
+    "w8a8_linear": lambda: _int8_linear_cases(),
+    "fused_moe_int8": lambda: [(*_fused_int8(T), w8a8) for T in (3, 40) for w8a8 in (False, True)],
     "dequantize": lambda: [(*torch.ops.glm5.quantize_groupwise(fresh(6, 256), 4, 64, False, 0), 4, 64, [6, 256],
                             dtype) for dtype in (torch.float32, torch.bfloat16)],
 }

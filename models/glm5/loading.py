@@ -140,6 +140,9 @@ def load_pretrained(cls, path: str, *, dtype=None, device="cpu", verbose: bool =
     from safetensors import safe_open
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a directory (expected config.json + safetensors)")
+    from .quantization import QUANT_FILE, load_quantized
+    if os.path.exists(os.path.join(path, QUANT_FILE)):   # written by quantization.save_quantized
+        return load_quantized(cls, path, device=device, **model_kwargs)
     config = GLM5Config.from_json(path)
     pieces, shapes, depth = _plan(_index_checkpoint(path), config.num_hidden_layers)
     if config.tie_word_embeddings:

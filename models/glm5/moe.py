@@ -28,6 +28,10 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D))
         self.down_proj = nn.Parameter(torch.empty(E, D, I))
 
+    def forward(self, h, weights, ids):
+        """The fused routed-expert layer (a quantised model swaps this module: models/glm5/quantization.py)."""
+        return glm5_ops.fused_moe(h, self.gate_up_proj, self.down_proj, weights, ids)
+
 
 class MoE(nn.Module):
     def __init__(self, config: GLM5Config, layer_idx: int):
@@ -49,7 +53,7 @@ class MoE(nn.Module):
         weights = weights.to(x.dtype)
         if ctx.fused:
             with nvtx_range(f"layer{i}/moe/experts"):
-                routed = glm5_ops.fused_moe(h, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+                routed = self.experts(h, weights, ids)
         else:
             routed = self._unfused(h, weights, ids)
         with nvtx_range(f"layer{i}/moe/shared"):

@@ -1,0 +1,332 @@
+// INT8 inference on the CPU: per-row symmetric quantisation, the weight-only
+// int8 linear, the W8A8 linear and fused_moe with int8 expert weights.
+//
+// int8_quantize_rows(x[..., K]) -> (q int8 [..., K], scale fp32 [...])
+//   scale = max|x_row| / 127, q = round_half_even(x / scale) (exact division), 0 for a zero row
+// int8_linear(x[M,K], w int8 [N,K], scale fp32 [N], bias?[N]) -> [M,N] x.dtype
+//   y = (x @ w^T) * scale + bias, fp32 accumulation
+// w8a8_linear(x, w, scale, bias?) -> [M,N]: x quantised per row as above, int32 GEMM,
+//   y = acc * x_scale[m] * scale[n] + bias
+// fused_moe_int8(x[T,D], w_gate_up int8 [E,2I,D], gate_up_scale fp32 [E,2I],
+//                w_down int8 [E,D,I], down_scale fp32 [E,D], weights[T,k], ids int32 [T,k]) -> [T,D]
+//
+// Why these paths (bench/int8_bench.py measures them; bench/RESULTS.md, "INT8"):
+// - Few rows (decode, M <= kGemvRows): the weights are the traffic. The GEMV
+//   kernel below streams each int8 weight row once per block of up to 4
+//   activation rows, widening 16 int8 to fp32 in registers (AVX-512; 8 with
+//   AVX2) and FMA-ing against fp32 activations: a quarter of fp32's bytes.
+// - Many rows (prefill): compute bounds the step. The weight-only path
+//   dequantises the weight once into x's dtype and calls the BLAS GEMM (the
+//   dequantisation is O(N K) against the GEMM's O(M N K)); the W8A8 path calls
+//   at::_int_mm (oneDNN's u8s8 VNNI GEMM on this CPU), which measured faster
+//   than an fp32 or bf16 GEMM at prefill sizes.
+// - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
+//   expert, then per active expert gate/up -> silu(g)*u -> down, GEMV or
+//   dequantise+GEMM by its row count (decode: each chosen expert's int8 rows
+//   are read once), and a gather by token that sums its k slots in order
+//   (deterministic, no atomics).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "checks.h"
+#include "parallel.h"
+
+namespace glm5 {
+namespace cpu {
+namespace {
+
+constexpr int64_t kGemvRows = 16;   // at most this many activation rows take the GEMV path
+constexpr int64_t kRowBlock = 64;   // weight rows per parallel task of the GEMV
+
+// ------------------------------------------------------------- GEMV core --
+
+#if defined(__AVX512F__)
+inline __m512 widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+// acc[m] = sum_k x[m][k] * w[k] for MB activation rows, one weight row w.
+template <int MB>
+inline void dot_rows(const float* const* x, const int8_t* w, int64_t K, float* acc) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  // MB * U independent FMA chains hide the FMA latency (MB = 1: four chains over k).
+  constexpr int U = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
+  __m512 a[MB][U];
+  for (int m = 0; m < MB; ++m)
+    for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
+  for (; k + 16 * U <= K; k += 16 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = widen16(w + k + 16 * u);
+      for (int m = 0; m < MB; ++m) a[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x[m] + k + 16 * u), wv, a[m][u]);
+    }
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wv = widen16(w + k);
+    for (int m = 0; m < MB; ++m) a[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x[m] + k), wv, a[m][0]);
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m512 s = a[m][0];
+    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, a[m][u]);
+    acc[m] = hsum(s);
+  }
+#elif defined(__AVX2__)
+  __m256 a[MB];
+  for (int m = 0; m < MB; ++m) a[m] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+    for (int m = 0; m < MB; ++m) a[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x[m] + k), wv, a[m]);
+  }
+  for (int m = 0; m < MB; ++m) {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, a[m]);
+    acc[m] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  }
+#else
+  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int m = 0; m < MB; ++m) acc[m] += x[m][k] * float(w[k]);
+}
+
+// out[m*ldo + n] = scale[n] * (x[m] . w[n]) + bias[n] for m < M, n in [n0, n1).
+void gemv_block(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias,
+                int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mb = std::min<int64_t>(4, M - m0);
+    const float* xr[4];
+    for (int64_t m = 0; m < mb; ++m) xr[m] = x + (m0 + m) * K;
+    float acc[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* wr = w + n * K;
+      switch (mb) {
+        case 1: dot_rows<1>(xr, wr, K, acc); break;
+        case 2: dot_rows<2>(xr, wr, K, acc); break;
+        case 3: dot_rows<3>(xr, wr, K, acc); break;
+        default: dot_rows<4>(xr, wr, K, acc); break;
+      }
+      const float b = bias ? bias[n] : 0.f;
+      for (int64_t m = 0; m < mb; ++m) out[(m0 + m) * ldo + n] = acc[m] * scale[n] + b;
+    }
+  }
+}
+
+// y[M,N] fp32 = x[M,K] fp32 @ (w * scale)^T + bias, all threads over weight-row blocks.
+void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
+          float* y) {
+  // Dynamic hand-out: a thread whose core is busy with another process takes fewer blocks.
+  parallel_dynamic((N + kRowBlock - 1) / kRowBlock, [] { return 0; }, [&](int64_t b, int) {
+    gemv_block(x, M, K, w, scale, bias, b * kRowBlock, std::min(N, (b + 1) * kRowBlock), y, N);
+  });
+}
+
+// w[N,K] int8 * scale[N] -> [N,K] of `dtype`.
+at::Tensor dequantize_rows(const at::Tensor& w, const at::Tensor& scale, at::ScalarType dtype) {
+  return (w.to(at::kFloat) * scale.unsqueeze(1)).to(dtype);
+}
+
+// ----------------------------------------------------------------- checks --
+
+void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const char* w_name) {
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, w_name, " must be int8, got ", w.scalar_type());
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == K, w_name, " must have shape [N,K=", K, "], got ", w.sizes());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "scale must be fp32, got ", scale.scalar_type());
+  TORCH_CHECK_VALUE(scale.dim() == 1 && scale.size(0) == w.size(0), "scale must have shape [N=", w.size(0), "], got ",
+                    scale.sizes());
+}
+
+void check_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must have shape [M,K], got ", x.sizes());
+  GLM5_CHECK_FLOAT(x, "x");
+  check_weight(w, scale, x.size(1), "w");
+  if (bias.has_value())
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == w.size(0), "bias must have shape [N=", w.size(0),
+                      "], got ", bias->sizes());
+}
+
+c10::optional<at::Tensor> fp32_bias(const c10::optional<at::Tensor>& bias) {
+  if (!bias.has_value()) return c10::nullopt;
+  return bias->to(at::kFloat).contiguous();
+}
+
+// ------------------------------------------------------------------- ops --
+
+std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x_in) {
+  GLM5_CHECK_FLOAT(x_in, "x");
+  TORCH_CHECK_VALUE(x_in.dim() >= 1, "x must have shape [..., K], got a 0-d tensor");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t K = x.size(-1);
+  auto q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  auto scale_sizes = x.sizes().vec();
+  scale_sizes.pop_back();
+  auto scale = at::empty(scale_sizes, x.options());
+  const int64_t R = scale.numel();   // rows; with K = 0 each gets scale 0
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float s = amax / 127.f;
+      sp[r] = s;
+      for (int64_t k = 0; k < K; ++k)   // nearbyint: half to even under the default rounding mode
+        qp[r * K + k] = s > 0.f ? int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(xr[k] / s)))) : 0;
+    }
+  });
+  return {q, scale};
+}
+
+// fp32 [M,N] = quantise_rows(x) @ w^T (int32 accumulation) * x_scale[m] * scale[n]; M, N, K >= 1.
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  auto [qx, sx] = int8_quantize_rows(x);
+  const at::Tensor acc = at::_int_mm(qx, w.t());   // oneDNN's int8 GEMM (VNNI where the CPU has it)
+  return acc.to(at::kFloat).mul_(sx.unsqueeze(1)).mul_(scale.unsqueeze(0));
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scale_in,
+                       const c10::optional<at::Tensor>& bias_in) {
+  check_linear(x, w_in, scale_in, bias_in);
+  const int64_t M = x.size(0), K = x.size(1), N = w_in.size(0);
+  const at::Tensor w = w_in.contiguous(), scale = scale_in.contiguous();
+  const auto bias = fp32_bias(bias_in);
+  if (M > kGemvRows) {   // compute-bound: one dequantisation, then the BLAS GEMM in x's dtype
+    auto y = at::linear(x, dequantize_rows(w, scale, x.scalar_type()));
+    return bias.has_value() ? (y.to(at::kFloat) + *bias).to(x.scalar_type()) : y;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, xf.options());
+  if (M > 0 && N > 0)
+    gemv(xf.data_ptr<float>(), M, K, w.data_ptr<int8_t>(), scale.data_ptr<float>(),
+         bias.has_value() ? bias->data_ptr<float>() : nullptr, N, y.data_ptr<float>());
+  return y.to(x.scalar_type());
+}
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scale_in,
+                       const c10::optional<at::Tensor>& bias_in) {
+  check_linear(x, w_in, scale_in, bias_in);
+  TORCH_CHECK_VALUE(x.size(1) <= 131072, "x must have K <= 131072 (int32 accumulation of int8 products), got K=",
+                    x.size(1));
+  const int64_t M = x.size(0), N = w_in.size(0);
+  if (M == 0 || N == 0 || x.size(1) == 0) {
+    auto y = at::zeros({M, N}, x.options().dtype(at::kFloat));
+    if (bias_in.has_value()) y += *fp32_bias(bias_in);
+    return y.to(x.scalar_type());
+  }
+  auto y = int8_gemm(x, w_in, scale_in);
+  if (bias_in.has_value()) y.add_(*fp32_bias(bias_in));
+  return y.to(x.scalar_type());
+}
+
+at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& gu_scale_in,
+                          const at::Tensor& w_down_in, const at::Tensor& down_scale_in, const at::Tensor& weights_in,
+                          const at::Tensor& ids_in, bool w8a8) {
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "x must have shape [T,D], got ", x_in.sizes());
+  GLM5_CHECK_FLOAT(x_in, "x");
+  const int64_t T = x_in.size(0), D = x_in.size(1);
+  TORCH_CHECK_TYPE(w_gate_up_in.scalar_type() == at::kChar && w_down_in.scalar_type() == at::kChar,
+                   "w_gate_up and w_down must be int8, got ", w_gate_up_in.scalar_type(), " and ",
+                   w_down_in.scalar_type());
+  TORCH_CHECK_VALUE(w_gate_up_in.dim() == 3 && w_gate_up_in.size(2) == D && w_gate_up_in.size(1) % 2 == 0 &&
+                        w_gate_up_in.size(0) >= 1,
+                    "w_gate_up must have shape [E,2I,D=", D, "], got ", w_gate_up_in.sizes());
+  const int64_t E = w_gate_up_in.size(0), I2 = w_gate_up_in.size(1), I = I2 / 2;
+  TORCH_CHECK_VALUE(w_down_in.sizes() == at::IntArrayRef({E, D, I}), "w_down must have shape [E,D,I]=[", E, ",", D,
+                    ",", I, "], got ", w_down_in.sizes());
+  TORCH_CHECK_TYPE(gu_scale_in.scalar_type() == at::kFloat && down_scale_in.scalar_type() == at::kFloat,
+                   "gate_up_scale and down_scale must be fp32");
+  TORCH_CHECK_VALUE(gu_scale_in.sizes() == at::IntArrayRef({E, I2}), "gate_up_scale must have shape [E,2I], got ",
+                    gu_scale_in.sizes());
+  TORCH_CHECK_VALUE(down_scale_in.sizes() == at::IntArrayRef({E, D}), "down_scale must have shape [E,D], got ",
+                    down_scale_in.sizes());
+  TORCH_CHECK_TYPE(ids_in.scalar_type() == at::kInt, "ids must be int32, got ", ids_in.scalar_type());
+  TORCH_CHECK_VALUE(ids_in.dim() == 2 && ids_in.size(0) == T, "ids must have shape [T=", T, ",k], got ",
+                    ids_in.sizes());
+  const int64_t k = ids_in.size(1);
+  TORCH_CHECK_VALUE(weights_in.sizes() == ids_in.sizes(), "weights must have shape [T,k] like ids, got ",
+                    weights_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous(), ids = ids_in.contiguous();
+  const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
+  const at::Tensor wgu = w_gate_up_in.contiguous(), wd = w_down_in.contiguous();
+  const at::Tensor gus = gu_scale_in.contiguous(), ds = down_scale_in.contiguous();
+  const int32_t* id = ids.data_ptr<int32_t>();
+
+  // Counting sort of the pairs by expert (stable: token order within an expert).
+  std::vector<int64_t> offsets(E + 1, 0), pair_of(T * k), cursor;
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK_VALUE(id[p] >= 0 && id[p] < E, "ids must be expert ids in [0, E=", E, "), got ", id[p]);
+    ++offsets[id[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+  cursor.assign(offsets.begin(), offsets.end() - 1);
+  for (int64_t p = 0; p < T * k; ++p) pair_of[cursor[id[p]]++] = p;
+
+  auto y_sorted = at::empty({T * k, D}, x.options());   // expert output of each sorted pair
+  const float* xp = x.data_ptr<float>();
+  float* ys = y_sorted.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
+    if (n == 0) continue;
+    auto xs = at::empty({n, D}, x.options());
+    float* xsp = xs.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pair_of[r0 + r] / k) * D, D, xsp + r * D);
+    const at::Tensor wgu_e = wgu[e], wd_e = wd[e], gus_e = gus[e], ds_e = ds[e];
+    at::Tensor h;
+    if (n <= kGemvRows) {
+      h = at::empty({n, I2}, x.options());
+      gemv(xsp, n, D, wgu_e.data_ptr<int8_t>(), gus_e.data_ptr<float>(), nullptr, I2, h.data_ptr<float>());
+    } else if (w8a8) {
+      h = int8_gemm(xs, wgu_e, gus_e);
+    } else {
+      h = at::linear(xs, dequantize_rows(wgu_e, gus_e, at::kFloat));
+    }
+    const at::Tensor a = (at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I)).contiguous();
+    at::Tensor y = y_sorted.narrow(0, r0, n);
+    if (n <= kGemvRows)
+      gemv(a.data_ptr<float>(), n, I, wd_e.data_ptr<int8_t>(), ds_e.data_ptr<float>(), nullptr, D, ys + r0 * D);
+    else if (w8a8)
+      y.copy_(int8_gemm(a, wd_e, ds_e));
+    else
+      at::linear_out(y, a, dequantize_rows(wd_e, ds_e, at::kFloat));
+  }
+
+  // Combine: out[t] = sum_j weights[t,j] * y of pair (t,j), slots in order.
+  std::vector<int64_t> row_of(T * k);
+  for (int64_t r = 0; r < T * k; ++r) row_of[pair_of[r]] = r;
+  auto out = at::zeros({T, D}, x.options());
+  float* op = out.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        const float wt = wp[t * k + j];
+        const float* yr = ys + row_of[t * k + j] * D;
+        for (int64_t d = 0; d < D; ++d) op[t * D + d] += wt * yr[d];
+      }
+  });
+  return out.to(x_in.scalar_type());
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace glm5
+
+TORCH_LIBRARY_IMPL(glm5, CPU, m) {
+  m.impl("int8_quantize_rows", &glm5::cpu::int8_quantize_rows);
+  m.impl("int8_linear", &glm5::cpu::int8_linear);
+  m.impl("w8a8_linear", &glm5::cpu::w8a8_linear);
+  m.impl("fused_moe_int8", &glm5::cpu::fused_moe_int8);
+}

@@ -1,0 +1,175 @@
+"""The INT8 ops (glm5_ops/int8.py) against their oracles (glm5_ops/reference.py):
+fresh random inputs, odd shapes, both paths of each kernel (GEMV at <= 16
+rows, GEMM above), every float dtype, outputs poisoned; bad input."""
+import pytest
+import torch
+
+import glm5_ops
+from glm5_ops import reference as ref
+from conftest import DEVICE, fresh
+
+IMPLS = ["cpp", "reference"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    with glm5_ops.use_backend(request.param):
+        yield request.param
+
+
+def _tol(dtype, K):
+    """Output tolerance: fp32 accumulation-order error, or one rounding of a 16-bit output
+    (bf16 also rounds the dequantised weight on the GEMM path)."""
+    if dtype == torch.float32:
+        return dict(rtol=1e-4, atol=1e-4 * K ** 0.5)
+    return dict(rtol=2e-2, atol=2e-2 * K ** 0.5)
+
+
+def _weight(N, K, dtype=torch.float32):
+    return glm5_ops.quantize_int8(fresh(N, K, dtype=dtype, scale=K ** -0.5))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 37), (2, 5, 100), (7, 257), (4, 0), (0, 9)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_rows_matches_oracle(impl, poisoned, shape, dtype):
+    x = fresh(*shape, dtype=dtype)
+    if x.numel():
+        x.view(-1, shape[-1])[0] = 0      # an all-zero row: scale 0, codes 0
+    q, s = glm5_ops.quantize_int8(x)
+    q_ref, s_ref = ref.int8_quantize_rows(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == x.shape and s.shape == x.shape[:-1]
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+    if x.numel():
+        assert int(q.abs().max()) <= 127
+        err = (x.double() - q.double() * s.double()[..., None]).abs()
+        assert bool((err <= s.double()[..., None] * (0.5 + 1e-5)).all())   # slack: x / scale rounds in fp32
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("K,N", [(37, 11), (257, 130)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
+    w, s = _weight(N, K)
+    x = fresh(M, K, dtype=dtype)
+    bias = fresh(N, dtype=dtype) if with_bias else None
+    y = glm5_ops.int8_linear(x, w, s, bias)
+    assert y.dtype == dtype and y.shape == (M, N)
+    torch.testing.assert_close(y.float(), ref.int8_linear(x, w, s, bias).float(), **_tol(dtype, K))
+
+
+@pytest.mark.parametrize("M", [1, 4, 17, 33])
+@pytest.mark.parametrize("K,N", [(37, 11), (257, 130)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w8a8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
+    w, s = _weight(N, K)
+    x = fresh(M, K, dtype=dtype)
+    bias = fresh(N, dtype=dtype) if with_bias else None
+    y = glm5_ops.w8a8_linear(x, w, s, bias)
+    assert y.dtype == dtype and y.shape == (M, N)
+    # Same codes as the oracle (one quantisation rule), exact int sums: only the fp32 scaling differs.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(y.float(), ref.w8a8_linear(x, w, s, bias).float(), **tol)
+
+
+def test_linears_keep_leading_dims_and_approximate_float():
+    """x [..., K] keeps its leading dims; int8 weights (and activations) stay close to the float product."""
+    wf = fresh(48, 96, scale=96 ** -0.5)
+    w, s = glm5_ops.quantize_int8(wf)
+    x = fresh(2, 9, 96)
+    exact = x @ wf.T
+    for op, bound in ((glm5_ops.int8_linear, 0.01), (glm5_ops.w8a8_linear, 0.02)):
+        y = op(x, w, s)
+        assert y.shape == (2, 9, 48)
+        assert float((y - exact).norm() / exact.norm()) < bound
+
+
+def _moe_args(T, D, I, E, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)] or [torch.zeros(0, k)]
+                      ).reshape(T, k).to(DEVICE, torch.int32)
+    wgu, sgu = glm5_ops.quantize_int8(fresh(E, 2 * I, D, scale=D ** -0.5))
+    wd, sd = glm5_ops.quantize_int8(fresh(E, D, I, scale=I ** -0.5))
+    return fresh(T, D, dtype=dtype), wgu, sgu, wd, sd, fresh(T, k).abs().to(dtype), ids
+
+
+@pytest.mark.parametrize("T,D,I,E,k", [(1, 64, 32, 8, 2), (5, 37, 19, 6, 3), (0, 16, 8, 4, 2),
+                                       (40, 48, 24, 4, 2), (70, 33, 17, 3, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_fused_moe_int8_matches_oracle(impl, poisoned, T, D, I, E, k, dtype, w8a8):
+    """T=40, 70: experts hold more than 16 rows (the dequantise+GEMM and int8 GEMM paths)."""
+    args = _moe_args(T, D, I, E, k, dtype, seed=T + D)
+    out = glm5_ops.fused_moe_int8(*args, w8a8=w8a8)
+    assert out.dtype == dtype and out.shape == (T, D)
+    expect = ref.fused_moe_int8(*args, w8a8=w8a8)
+    tol = _tol(dtype, D) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.float(), expect.float(), **tol)
+
+
+def test_fused_moe_int8_equals_fused_moe_on_dequantised_weights():
+    x, wgu, sgu, wd, sd, weights, ids = _moe_args(9, 40, 24, 5, 2, torch.float32, seed=3)
+    deq = ref.int8_dequantize_rows
+    expect = glm5_ops.fused_moe(x, deq(wgu, sgu), deq(wd, sd), weights, ids)
+    torch.testing.assert_close(glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids), expect,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_triton_backend_says_it_has_no_kernel():
+    w, s = _weight(8, 16)
+    with glm5_ops.use_backend("triton"), pytest.raises(NotImplementedError, match="int8_linear"):
+        glm5_ops.int8_linear(fresh(2, 16), w, s)
+
+
+BAD = [
+    ("non-int8 weight", lambda w, s: glm5_ops.int8_linear(fresh(2, 16), w.float(), s), TypeError, "w must be int8"),
+    ("scale dtype", lambda w, s: glm5_ops.int8_linear(fresh(2, 16), w, s.half()), TypeError, "scale"),
+    ("scale shape", lambda w, s: glm5_ops.w8a8_linear(fresh(2, 16), w, s[:-1]), ValueError, "scale must have shape"),
+    ("K mismatch", lambda w, s: glm5_ops.int8_linear(fresh(2, 15), w, s), ValueError, r"w must have shape \[N, K=15\]"),
+    ("bias shape", lambda w, s: glm5_ops.int8_linear(fresh(2, 16), w, s, fresh(7)), ValueError, "bias"),
+    ("int x", lambda w, s: glm5_ops.w8a8_linear(torch.ones(2, 16, dtype=torch.int32), w, s), TypeError, "x must"),
+    ("0-d x", lambda w, s: glm5_ops.quantize_int8(fresh(())), ValueError, "0-d"),
+    ("int8 x to quantize", lambda w, s: glm5_ops.quantize_int8(w), TypeError, "x must have dtype"),
+    ("w8a8 K too large", lambda w, s: glm5_ops.w8a8_linear(fresh(1, 131073), torch.ones(1, 131073, dtype=torch.int8),
+                                                           torch.ones(1)), ValueError, "K <= 131072"),
+]
+
+
+@pytest.mark.parametrize("name,call,exc,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_linear_input(impl, name, call, exc, match):
+    w, s = _weight(8, 16)
+    with pytest.raises(exc, match=match):
+        call(w, s)
+
+
+def test_bad_fused_moe_int8_input(impl):
+    x, wgu, sgu, wd, sd, weights, ids = _moe_args(4, 16, 8, 4, 2, torch.float32, seed=1)
+    cases = [
+        (dict(w_gate_up=wgu.float()), TypeError, "w_gate_up must be int8"),
+        (dict(w_down=wd.float()), TypeError, "w_down must be int8"),
+        (dict(gate_up_scale=sgu.half()), TypeError, "gate_up_scale"),
+        (dict(down_scale=sd[:, :-1]), ValueError, "down_scale must have shape"),
+        (dict(w_down=wd[:, :, :-1]), ValueError, "w_down must have shape"),
+        (dict(ids=ids + 4), ValueError, r"ids must hold expert ids in \[0, 4\)"),
+        (dict(weights=weights[:, :1]), ValueError, "weights must have shape"),
+        (dict(ids=ids.float()), TypeError, "ids"),
+    ]
+    base = dict(x=x, w_gate_up=wgu, gate_up_scale=sgu, w_down=wd, down_scale=sd, weights=weights, ids=ids)
+    for change, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            glm5_ops.fused_moe_int8(**{**base, **change})
+
+
+def test_cpp_ops_guard_direct_calls():
+    """A direct torch.ops call with bad ids or shapes raises; it never reads out of bounds."""
+    x, wgu, sgu, wd, sd, weights, ids = _moe_args(4, 16, 8, 4, 2, torch.float32, seed=2)
+    ops = torch.ops.glm5
+    with pytest.raises((ValueError, RuntimeError), match="ids"):
+        ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids + 4, False)
+    with pytest.raises((ValueError, RuntimeError), match="scale"):
+        ops.int8_linear(x, wgu[0], sgu[0, :3], None)
+    with pytest.raises((TypeError, RuntimeError), match="int8"):
+        ops.w8a8_linear(x, wgu[0].float(), sgu[0], None)
