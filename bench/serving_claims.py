@@ -178,17 +178,20 @@ CLAIMS = {"batching": batching, "decode-scaling": decode_scaling, "chunked-prefi
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("claim", choices=[*CLAIMS, "all"])
+    p.add_argument("claim", nargs="+", choices=[*CLAIMS, "all"])
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--chunk-budget", type=int, default=64, help="max_num_batched_tokens for chunked-prefill")
     p.add_argument("--itl-steps", type=int, default=40)
     p.add_argument("--long-tokens", type=int, default=16384)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.makedirs(OUT, exist_ok=True)
     model = small_model()
-    for name in CLAIMS if args.claim == "all" else [args.claim]:
+    for name in CLAIMS if "all" in args.claim else args.claim:
         t0 = time.perf_counter()
         result = CLAIMS[name](model, args)
         result.update(claim=name, seconds=time.perf_counter() - t0, date=time.strftime("%Y-%m-%d %H:%M"),
