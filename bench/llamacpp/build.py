@@ -64,14 +64,14 @@ def check_toolchain() -> None:
             "(install e.g. `apt-get install cmake g++`); the comparison needs a local llama.cpp build")
 
 
-def _run(cmd: list[str], what: str, log_path: str | None = None, cwd: str | None = None) -> None:
+def _run(cmd: list[str], what: str, log_path: str | None = None, cwd: str | None = None, hint: str = "") -> None:
     _log(f"{what}: {' '.join(cmd)}")
     with open(log_path, "a") if log_path else open(os.devnull, "w") as log:
         proc = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE if not log_path else log,
                               stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         tail = proc.stdout[-2000:] if proc.stdout else _tail(log_path)
-        raise LlamaCppUnavailable(f"{what} failed (exit {proc.returncode}):\n{tail}")
+        raise LlamaCppUnavailable(f"{what} failed (exit {proc.returncode}){hint}:\n{tail}")
 
 
 def _tail(path: str | None, n: int = 2000) -> str:
@@ -92,7 +92,8 @@ def fetch_source(home: str, version: str = DEFAULT_VERSION) -> str:
         # pip prepares the sdist's metadata (about a minute) before it saves it.
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
               f"llama-cpp-python=={version}", "-d", home],
-             f"downloading llama-cpp-python {version} (source) from the package registry")
+             f"downloading llama-cpp-python {version} (source) from the package registry",
+             hint=" (is the package registry reachable, and does it hold this version?)")
         if not os.path.exists(sdist):
             raise LlamaCppUnavailable(f"pip reported success but {sdist} is not there")
     _log(f"extracting {sdist}")
