@@ -67,10 +67,12 @@ def test_agreement_metrics():
     from llamacpp_compare import agreement_metrics
     ref = np.array([[1.0, 3.0, 2.0], [4.0, 0.0, -1.0]])
     same = agreement_metrics(ref, ref)
-    assert same == {"top1": 1.0, "worst_rel": 0.0, "median_rel": 0.0, "within_1e-3": 1.0}
+    assert same == {"top1": 1.0, "worst_rel": 0.0, "median_rel": 0.0, "within_1e-3": 1.0,
+                    "first_off": -1}
     other = ref.copy()
     other[1, 1] = 4.5                                 # flips row 1's argmax, off by 4.5 of max |ref| = 4
     m = agreement_metrics(other, ref)
     assert m["top1"] == 0.5 and m["worst_rel"] == pytest.approx(4.5 / 4) and m["within_1e-3"] == 0.5
+    assert m["first_off"] == 1
     with pytest.raises(ValueError, match="shape"):
         agreement_metrics(ref[:1], ref)
