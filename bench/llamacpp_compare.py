@@ -119,7 +119,8 @@ def llama_bench(lc, gguf: str, threads: int, prefill: list[int], depths: list[in
         runs.append(["-p", "0", "-n", str(tg), "-d", ",".join(map(str, depths))])
     records = []
     for extra in runs:
-        cmd = ["nice", "-n", "15", lc.bench_bin, "-m", gguf, "-t", str(threads), "-r", str(reps), "-o", "json", *extra]
+        # Same priority as our children (which inherit this process's): no extra nice.
+        cmd = [lc.bench_bin, "-m", gguf, "-t", str(threads), "-r", str(reps), "-o", "json", *extra]
         print(f"[compare] {' '.join(cmd)}", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                               env={**os.environ, "LD_LIBRARY_PATH": lc.lib_dir})
