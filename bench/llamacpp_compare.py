@@ -191,11 +191,11 @@ def main(argv=None) -> int:
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     args.preset = args.preset or ("tiny" if args.what == "agreement" else "small")
-    torch.set_num_threads(args.threads)
     try:
         lc = build(args.llamacpp_home)
         if args.what == "build":
             return 0
+        torch.set_num_threads(args.threads)
         rows = run_agreement(lc, args) if args.what == "agreement" else run_speed(lc, args)
     except LlamaCppUnavailable as e:
         print(f"[compare] llama.cpp unavailable: {e}", file=sys.stderr, flush=True)
