@@ -1,0 +1,210 @@
+"""GLM-5 side by side with llama.cpp (issue 23): agreement of logits and speed.
+
+llama.cpp is fetched from the package registry (llama-cpp-python's sdist vendors
+it) and built in a work folder outside the repository, once (bench/llamacpp/build.py).
+One random-weight checkpoint is written by transformers with the lab's GLM
+tokenizer, converted to an F32 GGUF by llama.cpp's converter, and read by all
+three engines. Exits 2 with the reason when llama.cpp cannot be built here.
+
+    python bench/llamacpp_compare.py agreement                    # tiny-sized, ~1 min
+    python bench/llamacpp_compare.py agreement --preset small --index-topk 256 --lengths 200,700
+    python bench/llamacpp_compare.py speed --prefill 512,4096 --depths 16,4096
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from llamacpp.build import LlamaCppUnavailable, build  # noqa: E402
+
+# llama.cpp's GLM_DSA rotates indexer q/k by a Hadamard matrix of at least 64x64,
+# so index_head_dim must be a multiple of 64 (tiny's 16 fails a GGML_ASSERT there).
+AGREEMENT_TINY = dict(index_head_dim=64)
+
+
+def agreement_metrics(a: np.ndarray, ref: np.ndarray) -> dict:
+    """Top-1 agreement fraction, worst and median relative difference (max |a - ref|
+    over the vocabulary, divided by the largest |ref|) and the fraction of positions
+    within 1e-3 of [positions, vocab] logits. Near-ties in the discrete choices (the
+    indexer's top-k, the router's experts) flip at a few positions between any two
+    fp32 implementations, so the worst case alone says little; the fraction says how many.
+    first_off: the first position off by more than 1e-3 (-1: none). A flip at position p
+    changes p's keys and values in every later layer, so every position after it differs
+    too: the positions within 1e-3 are mostly those before first_off."""
+    a, ref = np.asarray(a, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if a.shape != ref.shape or a.ndim != 2:
+        raise ValueError(f"logits must be two [positions, vocab] arrays of one shape, got {a.shape} and {ref.shape}")
+    scale = np.abs(ref).max()
+    if scale == 0:
+        raise ValueError("reference logits are all zero")
+    rel = np.abs(a - ref).max(-1) / scale
+    off = np.flatnonzero(rel > 1e-3)
+    return {"top1": float((a.argmax(-1) == ref.argmax(-1)).mean()), "worst_rel": float(rel.max()),
+            "median_rel": float(np.median(rel)), "within_1e-3": float((rel <= 1e-3).mean()),
+            "first_off": int(off[0]) if off.size else -1}
+
+
+def _config(preset_name: str, index_topk: int | None):
+    from models.glm5 import preset
+    config = preset(preset_name)
+    changes = dict(AGREEMENT_TINY) if preset_name == "tiny" else {}
+    if index_topk:
+        changes["index_topk"] = index_topk
+    config = config.replace(**changes)
+    if config.index_head_dim % 64:
+        raise ValueError(f"llama.cpp needs index_head_dim % 64 == 0; preset {preset_name!r} has {config.index_head_dim}")
+    return config
+
+
+def _prepare(lc, config, work: str) -> tuple[str, str]:
+    from llamacpp.checkpoint import write_checkpoint
+    from llamacpp.convert import convert_to_gguf
+    ckpt = os.path.join(work, "ckpt")
+    print(f"[compare] writing a random checkpoint ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"index_topk {config.index_topk}) with transformers", flush=True)
+    write_checkpoint(config, ckpt)
+    return ckpt, convert_to_gguf(lc, ckpt, os.path.join(work, "model-f32.gguf"), "f32")
+
+
+def run_agreement(lc, args) -> list[dict]:
+    import transformers
+
+    from llamacpp.logits import llamacpp_logits
+    from models.glm5 import GLM5ForCausalLM
+    config = _config(args.preset, args.index_topk)
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        ckpt, gguf = _prepare(lc, config, work)
+        ours = GLM5ForCausalLM.from_pretrained(ckpt, verbose=False).eval()
+        hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        for n in args.lengths:
+            ids = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+            print(f"[compare] {n} tokens (index_topk {config.index_topk}): llama.cpp ...", flush=True)
+            lcpp = llamacpp_logits(lc, gguf, ids[0].numpy(), threads=args.threads, flash_attn=args.flash_attn)
+            print("[compare]   ours, transformers ...", flush=True)
+            with torch.no_grad():
+                mine = ours(ids)[0].float().numpy()
+                theirs = hf(ids).logits[0].float().numpy()
+            for pair, a, ref in (("llama.cpp vs transformers", lcpp, theirs), ("llama.cpp vs ours", lcpp, mine),
+                                 ("ours vs transformers", mine, theirs)):
+                rows.append({"tokens": n, "index_topk": config.index_topk, "pair": pair, **agreement_metrics(a, ref)})
+                print(f"[compare]   {rows[-1]}", flush=True)
+    print("\n| tokens | index_topk | pair | top-1 agrees | positions within 1e-3 | first position off | "
+          "worst rel. diff | median rel. diff |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['index_topk']} | {r['pair']} | {r['top1']:.4f} | {r['within_1e-3']:.4f} | "
+              f"{r['first_off'] if r['first_off'] >= 0 else '-'} | {r['worst_rel']:.2e} | "
+              f"{r['median_rel']:.2e} |")
+    return rows
+
+
+def llama_bench(lc, gguf: str, threads: int, prefill: list[int], depths: list[int], tg: int, reps: int) -> list[dict]:
+    """llama-bench's JSON records: pp{n} for each prefill size, tg{tg} @ d{depth} for each depth."""
+    runs = []
+    if prefill:
+        runs.append(["-p", ",".join(map(str, prefill)), "-n", "0"])
+    if depths:
+        runs.append(["-p", "0", "-n", str(tg), "-d", ",".join(map(str, depths))])
+    records = []
+    for extra in runs:
+        # Same priority as our children (which inherit this process's): no extra nice.
+        cmd = [lc.bench_bin, "-m", gguf, "-t", str(threads), "-r", str(reps), "-o", "json", *extra]
+        print(f"[compare] {' '.join(cmd)}", flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              env={**os.environ, "LD_LIBRARY_PATH": lc.lib_dir})
+        if proc.returncode != 0:
+            raise LlamaCppUnavailable(f"llama-bench failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        records += json.loads(proc.stdout)
+    return records
+
+
+def run_speed(lc, args) -> list[dict]:
+    from model_vs_transformers import run_child
+    config = _config(args.preset, args.index_topk)
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        ckpt, gguf = _prepare(lc, config, work)
+        os.sync()
+        for r in llama_bench(lc, gguf, args.threads, args.prefill, args.depths, args.decode_steps, args.reps):
+            kind = "prefill" if r["n_gen"] == 0 else "decode"
+            n = r["n_prompt"] if kind == "prefill" else r["n_depth"]
+            rows.append({"engine": "llama.cpp", "task": kind, "n": n, "tok_s": r["avg_ts"]})
+            print(f"[compare]   {rows[-1]}", flush=True)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)      # the children's torch threads
+        for task, sizes in (("prefill", args.prefill), ("decode", args.depths)):
+            for n in sizes:
+                print(f"[compare] ours {task} n={n} ...", flush=True)
+                steps = args.decode_steps if task == "decode" else 0
+                r = run_child("ours", task, ckpt, max(n, 1), steps, args.chunk)
+                if "error" in r:
+                    raise RuntimeError(f"ours {task} {n}: {r['error']}")
+                tok_s = r["decode_tok_s"] if task == "decode" else n / r["prefill_s"]
+                rows.append({"engine": "ours", "task": task, "n": n, "tok_s": tok_s})
+                print(f"[compare]   {rows[-1]}", flush=True)
+    print(f"\n| {args.threads} threads | ours fp32 tok/s | llama.cpp F32 tok/s | ours / llama.cpp |\n|---|---|---|---|")
+    for task, sizes in (("prefill", args.prefill), ("decode", args.depths)):
+        for n in sizes:
+            o = next(r for r in rows if r["engine"] == "ours" and r["task"] == task and r["n"] == n)
+            l = next((r for r in rows if r["engine"] == "llama.cpp" and r["task"] == task and r["n"] == n), None)
+            label = f"prefill {n} tokens" if task == "prefill" else f"decode at depth {n}"
+            ratio = f"{o['tok_s'] / l['tok_s']:.2f}x" if l else "-"
+            print(f"| {label} | {o['tok_s']:.1f} | {round(l['tok_s'], 1) if l else '-'} | {ratio} |")
+    return rows
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("agreement", "speed", "build"))
+    ap.add_argument("--preset", default=None, help="tiny (agreement default) or small (speed default)")
+    ap.add_argument("--index-topk", type=int, help="override the preset's index_topk (a config value, not a weight)")
+    ap.add_argument("--lengths", type=_ints, default=[12, 40], help="agreement prompt lengths (tiny: index_topk 16)")
+    ap.add_argument("--prefill", type=_ints, default=[512, 4096])
+    ap.add_argument("--depths", type=_ints, default=[16, 4096])
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=1, help="llama-bench repetitions")
+    ap.add_argument("--chunk", type=int, default=2048, help="our prefill chunk")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--flash-attn", type=int, default=0, choices=(-1, 0, 1), help="llama.cpp logits (agreement)")
+    ap.add_argument("--llamacpp-home", help="work folder for llama.cpp's source and build (default: "
+                    "$GLM5_LLAMACPP_HOME or ~/.cache/glm5-lab/llamacpp)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    args.preset = args.preset or ("tiny" if args.what == "agreement" else "small")
+    try:
+        lc = build(args.llamacpp_home)
+        if args.what == "build":
+            return 0
+        torch.set_num_threads(args.threads)
+        rows = run_agreement(lc, args) if args.what == "agreement" else run_speed(lc, args)
+    except LlamaCppUnavailable as e:
+        print(f"[compare] llama.cpp unavailable: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
