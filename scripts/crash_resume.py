@@ -79,6 +79,35 @@ def _save_under_way(root: str) -> bool:
     return False
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (torchrun starts its workers in sessions of their own, so killing
+    torchrun's process group does not reach them)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid and every process below it, the workers first (as a machine failure would)."""
+    for p in [*reversed(descendants(pid)), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def killed_run(cmd: list[str], out: str, mode: str, rng: random.Random, train_s: float,
                timeout: float = 300) -> float:
     """Starts the run, SIGKILLs its whole process group at a random moment; the seconds it ran."""
@@ -100,7 +129,7 @@ def killed_run(cmd: list[str], out: str, mode: str, rng: random.Random, train_s:
             time.sleep(rng.uniform(0.0, SAVE_WINDOW_S * 0.8))
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
         proc.wait()
     return time.time() - t0
 
