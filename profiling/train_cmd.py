@@ -65,6 +65,15 @@ def add_parser(subparsers) -> None:
                    help="one FSDP unit for the whole model: gradients reduced after the whole backward, not per "
                         "layer as they become ready")
     p.add_argument("--no-checkpoint", action="store_true", help="do not write DIR/checkpoint at the end")
+    p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+                   help="a DCP checkpoint every N steps under DIR/ckpt (docs/CHECKPOINTS.md)")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints while training continues")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="continue from the newest complete checkpoint under DIR/ckpt (any mesh), appending to "
+                        "--out's metrics.jsonl")
+    p.add_argument("--lora", type=positive_int, default=None, metavar="RANK",
+                   help="train LoRA adapters of this rank on the attention projections only (training/lora.py)")
+    p.add_argument("--lora-router", action="store_true", help="with --lora: adapters on the MoE routers too")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=run, parser=p)
 
@@ -109,8 +118,42 @@ def _validate(args, config, dims, world: int) -> None:
     if args.device == "cuda" and local_rank >= torch.cuda.device_count():
         raise UsageError(f"--device cuda: process {local_rank} of this node has no GPU of its own "
                          f"({torch.cuda.device_count()} visible)")
+    if args.lora_router and args.lora is None:
+        raise UsageError("--lora-router needs --lora RANK")
+    if args.async_save and args.checkpoint_every is None:
+        raise UsageError("--async-save needs --checkpoint-every N")
+    if args.resume is not None and not os.path.isdir(os.path.join(args.resume, "ckpt")):
+        raise UsageError(f"--resume: {args.resume!r} holds no ckpt/ directory of checkpoints")
     if args.seq >= config.max_position_embeddings:
         raise UsageError(f"--seq {args.seq} must be below max_position_embeddings={config.max_position_embeddings}")
+
+
+def _lora_config(args, dims):
+    if args.lora is None:
+        return None
+    from training.lora import LoraConfig
+    # the tensor-parallel projections carry no adapters under tp > 1 (training/lora.py)
+    targets = ["q_a_proj", "kv_a_proj_with_mqa"] + (["q_b_proj", "kv_b_proj", "o_proj"] if dims.tp == 1 else [])
+    return LoraConfig(r=args.lora, lora_alpha=2.0 * args.lora, target_modules=targets,
+                      target_parameters=["mlp.gate.weight"] if args.lora_router else [])
+
+
+def _checkpointer(args, trainer, gen, rank: int):
+    """The Checkpointer (None without --checkpoint-every / --resume) and the step to start from."""
+    if args.checkpoint_every is None and args.resume is None:
+        return None, 0
+    from training.checkpoint import Checkpointer
+    root = os.path.join(args.out, "ckpt")
+    ckpt = Checkpointer(root, trainer, async_save=args.async_save, incremental=True)
+    if args.resume is None:
+        return ckpt, 0
+    extra = Checkpointer(os.path.join(args.resume, "ckpt"), trainer).load()
+    if extra is None:
+        raise UsageError(f"--resume: no complete checkpoint under {os.path.join(args.resume, 'ckpt')!r}")
+    gen.set_state(extra["data_rng"])
+    if rank == 0:
+        print(f"[train] resumed at step {extra['step']} from {os.path.join(args.resume, 'ckpt')}", flush=True)
+    return ckpt, extra["step"]
 
 
 def _peak_mib(device) -> float:
@@ -153,16 +196,19 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
         train, held_out = data[:split], data[split:]
         trainer = Trainer(config, dims, mesh, attn=args.attn, lr=args.lr, micro_batches=args.micro_batches,
                           schedule=args.schedule, seed=args.seed, param_dtype=DTYPES[args.dtype],
-                          overlap=not args.no_overlap, device=device)
+                          overlap=not args.no_overlap, device=device, lora=_lora_config(args, dims))
         os.makedirs(args.out, exist_ok=True)
-        metrics = open(os.path.join(args.out, "metrics.jsonl"), "w") if rank == 0 else None
+        gen = torch.Generator().manual_seed(args.seed)
+        ckpt, start = _checkpointer(args, trainer, gen, rank)
+        metrics = open(os.path.join(args.out, "metrics.jsonl"), "a" if start else "w") if rank == 0 else None
+        if rank == 0 and start:
+            metrics.write(json.dumps(dict(resumed_from=start)) + "\n")
         if rank == 0:
             print(f"[train] {args.preset} on {world} process(es): dp_shard {dims.dp_shard} x tp {dims.tp} x pp "
                   f"{dims.pp} x ep {dims.ep} ({device.type}); batch {args.batch}x{args.seq}, K={args.micro_batches}, "
                   f"attn {args.attn}, overlap {'off' if args.no_overlap else 'on'}", flush=True)
-        gen = torch.Generator().manual_seed(args.seed)
         tokens = args.batch * args.seq
-        for step in range(args.steps):
+        for step in range(start, args.steps):
             x, y = sample(train, args.batch, args.seq, gen)   # the same global batch on every process
             t0 = time.perf_counter()
             with CommMeter() as comm:
@@ -177,6 +223,15 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
                       f"peak {row['peak_mib']:.0f} MiB (weights+grads+Adam {row['state_mib']:.0f} MiB)", flush=True)
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()
+            if ckpt is not None:
+                ckpt.poll()
+                if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                    path = ckpt.save(step + 1, {"data_rng": gen.get_state()})
+                    if rank == 0:
+                        print(f"[train] checkpoint {path} ({'async' if args.async_save else 'sync'}): training "
+                              f"blocked {ckpt.last_blocking_s * 1e3:.0f} ms", flush=True)
+        if ckpt is not None:
+            ckpt.close()
         if args.eval_batches and dims.pp == 1:
             egen = torch.Generator().manual_seed(1234)
             held = [trainer.eval_loss(*sample(held_out, args.batch, args.seq, egen)) for _ in range(args.eval_batches)]

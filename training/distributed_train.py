@@ -33,7 +33,7 @@ from training.pipeline import SCHEDULES, build_schedule, keep_layers, lm_loss, s
 class Trainer:
     def __init__(self, config: GLM5Config, dims: ParallelDims, mesh=None, *, attn: str = "dsa", lr: float = 1e-3,
                  micro_batches: int = 1, schedule: str = "1f1b", seed: int = 0, param_dtype=None,
-                 overlap: bool = True, device: str | torch.device = "cpu"):
+                 overlap: bool = True, device: str | torch.device = "cpu", lora=None):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
         if dims.pp > 1 and micro_batches < dims.pp:
@@ -54,11 +54,15 @@ class Trainer:
         with torch.device(self.device):
             model = GLM5ForCausalLM(config.replace(num_nextn_predict_layers=0), attn=attn)
         keep_layers(model, split_layers(config, dims.pp)[self.stage], first=self.first, last=self.last)
+        self.lora = lora
+        if lora is not None:   # adapters before parallelize: FSDP2 shards them like any parameter
+            from training.lora import apply_lora
+            apply_lora(model, lora, tp=dims.tp, ep=dims.ep)
         if mesh is not None:
             parallelize(model, mesh, dims, param_dtype=param_dtype, overlap=overlap)
         self.model = model
         # foreach=False: the parameters mix DTensors of different meshes and plain tensors.
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                                            foreach=False)
         self.fsdp = isinstance(model, FSDPModule)
         self._schedule = None
@@ -152,6 +156,9 @@ class Trainer:
         from safetensors.torch import save_file
         tensors = self.full_parameters()
         tensors.update({n: b.detach().cpu().clone() for n, b in self.model.named_buffers()})
+        if self.lora is not None:
+            from training.lora import merged_tensors
+            tensors = merged_tensors(tensors, self.lora)
         rank = dist.get_rank() if self.mesh is not None else 0
         if self.mesh is not None:
             owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0

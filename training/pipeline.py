@@ -29,7 +29,7 @@ from torch import nn
 
 from glm5_ops.nvtx import nvtx_range
 from models.glm5.config import GLM5Config
-from models.glm5.model import ForwardContext
+from models.glm5.model import ForwardContext, Segment
 
 
 def split_layers(config: GLM5Config, pp: int) -> list[range]:
@@ -74,7 +74,8 @@ def stage_forward(model, inputs: torch.Tensor) -> torch.Tensor:
     else:
         x = inputs
     B, S = x.shape[:2]
-    ctx = ForwardContext(model, B, S, 0, None, x.dtype, x.device)
+    positions = torch.arange(S, device=x.device)[None].expand(B, S)
+    ctx = ForwardContext(model, positions, [Segment(B, S)], x.dtype)
     selection = None
     for layer in inner.layers.values():
         x, selection = layer(x, ctx, selection)
