@@ -42,8 +42,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from glm5_ops.expert_parallel import ep_fused_moe, expert_range
-from glm5_ops.nvtx import nvtx_range
-import glm5_ops
 from models.glm5.config import GLM5Config
 from models.glm5.moe import MoE
 
@@ -188,24 +186,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 # ------------------------------------------------------------------ EP --
 
 class ExpertParallelMoE(MoE):
-    """MoE whose routed experts are this rank's E/ep shard: MoE.forward with
-    the experts module called (so FSDP2 gathers it like any unit) to run
-    ep_fused_moe, which moves tokens to their experts' ranks and back."""
+    """MoE whose routed experts are this rank's E/ep shard: MoE.forward calls
+    the experts module (so FSDP2 gathers it like any unit), whose forward
+    apply_ep replaces with ep_fused_moe, which moves tokens to their experts'
+    ranks and back. The unfused path would run only the local shard's experts."""
 
-    def forward(self, x, ctx):
-        c, i = self.config, self.layer_idx
-        h = x.reshape(-1, x.shape[-1])
-        with nvtx_range(f"layer{i}/moe/route"):
-            weights, ids = glm5_ops.moe_route(
-                h.float(), self.gate.weight.float(), self.gate.e_score_correction_bias, top_k=c.num_experts_per_tok,
-                n_group=c.n_group, topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
-                norm_topk_prob=c.norm_topk_prob)
-        ctx.record_routing(i, ids)
-        with nvtx_range(f"layer{i}/moe/experts"):
-            routed = self.experts(h, weights.to(x.dtype), ids)
-        with nvtx_range(f"layer{i}/moe/shared"):
-            out = routed + self.shared_experts(h)
-        return out.view_as(x)
+    def _unfused(self, h, weights, ids):
+        return self.experts(h, weights, ids)
 
 
 class _ScaleGrad(torch.autograd.Function):
