@@ -23,6 +23,10 @@ from . import worker
 # model's generate loops are slower by nature.
 BASE_TIMEOUT, SLOW_TIMEOUT = 10.0, 60.0
 STARTUP_TIMEOUT = 300.0      # a worker's own start (imports, the forkserver's first fork)
+# The runner wakes at least this often; when it wakes much later than it asked
+# to, the whole run was paused (SIGSTOP, a suspended machine) and every
+# deadline moves by the pause, so a paused case is not called a hang.
+POLL, PAUSE_SLACK = 1.0, 2.0
 
 
 def time_bound(case: dict) -> float:
@@ -106,8 +110,13 @@ def run_cases(cases: list, *, workers: int = 2, threads: int = 1, progress=None)
                     if nxt is not None:
                         w.send(*nxt)
             waiting = [w for w in pool if w.case is not None or not w.ready]
-            timeout = max(0.0, min(w.deadline for w in waiting) - time.monotonic())
+            timeout = min(POLL, max(0.0, min(w.deadline for w in waiting) - time.monotonic()))
+            asked = time.monotonic()
             ready = wait([w.conn for w in waiting], timeout)
+            paused = time.monotonic() - asked - timeout
+            if paused > PAUSE_SLACK:
+                for w in pool:
+                    w.deadline += paused
             for i, w in enumerate(pool):
                 outcome = _outcome(w, ready) if w in waiting else None
                 if outcome is None or outcome == "started":

@@ -22,7 +22,8 @@ from .spec import build_call
 
 # Test-only targets: prove the pool reports a dead or stuck worker (test_fuzz.py).
 SELFTEST = {"selftest.ok": lambda: None, "selftest.crash": lambda: os.abort(),
-            "selftest.hang": lambda: time.sleep(3600), "selftest.error": lambda: 1 // 0}
+            "selftest.hang": lambda: time.sleep(3600),
+            "selftest.slow": lambda: time.sleep(1.5), "selftest.error": lambda: 1 // 0}
 
 _models: dict = {}
 

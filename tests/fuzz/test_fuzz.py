@@ -7,6 +7,8 @@ GLM5_FUZZ_CASES overrides the corpus size (for a quick local run)."""
 from __future__ import annotations
 
 import os
+import time
+from multiprocessing.connection import wait
 
 import pytest
 
@@ -79,6 +81,30 @@ def test_pool_survives_a_crash_a_hang_and_an_error(monkeypatch):
     assert outcomes[1]["message"] == "killed by SIGABRT"
     assert outcomes[3]["type"] == "ZeroDivisionError"
     assert message_problem({"perturbed": None}, outcomes[3]) == "raises ZeroDivisionError, not ValueError/TypeError"
+
+
+def test_a_paused_run_is_not_a_hang(monkeypatch):
+    """A run paused as a whole (SIGSTOP, a suspended machine) resumes with its
+    deadlines moved by the pause: the runner's clock jumps 100 s while a case
+    is in flight, past its 3 s bound, and the 1.5 s cases still count as ok."""
+    import sys
+    import types
+    pool = sys.modules[run_cases.__module__]
+    monkeypatch.setenv("GLM5_FUZZ_TIME_SCALE", "0.3")
+    clock = {"offset": 0.0, "waits": 0}
+    monkeypatch.setattr(pool, "time", types.SimpleNamespace(
+        monotonic=lambda: time.monotonic() + clock["offset"]))
+
+    def paused_wait(conns, timeout):
+        clock["waits"] += 1
+        if clock["waits"] == 2:          # the first case is in flight: all of us stop for 100 s
+            clock["offset"] += 100.0
+            return []                    # and the wait wakes up with nothing, its time long over
+        return wait(conns, timeout)
+    monkeypatch.setattr(pool, "wait", paused_wait)
+    outcomes = run_cases([{"target": "selftest.slow", "backend": "cpp"}] * 2, workers=1)
+    assert [o["status"] for o in outcomes] == ["ok"] * 2
+    assert clock["waits"] >= 3
 
 
 def test_the_corpus_is_fixed():
