@@ -181,6 +181,7 @@ def cases(draw, targets=None):
 
 CHUNK = 500          # cases per hypothesis run; chunks are drawn in parallel, each from its own seed
 SPARE = 25
+TOP_UPS = 5
 CACHE_DIR = Path(__file__).resolve().parents[2] / "build" / "fuzz_corpus"
 
 
@@ -205,8 +206,18 @@ def corpus(n: int, seed: int = 0, targets=None) -> list:
         fresh = [c for c in part if json.dumps(c, sort_keys=True) not in seen][: count - SPARE]
         seen.update(json.dumps(c, sort_keys=True) for c in fresh)
         out += fresh
+    # Large corpora repeat more across chunks than SPARE covers: top up from
+    # seeds no chunk uses (a corpus that needed no top-up is unchanged).
+    for extra in range(TOP_UPS):
+        if len(out) >= n:
+            break
+        part = _draw(n - len(out) + SPARE, seed * 100_000 + 90_000 + extra, targets)
+        fresh = [c for c in part if json.dumps(c, sort_keys=True) not in seen][: n - len(out)]
+        seen.update(json.dumps(c, sort_keys=True) for c in fresh)
+        out += fresh
     if len(out) < n:
-        raise RuntimeError(f"drew only {len(out)} distinct cases of {n}; raise SPARE in tests/fuzz/cases.py")
+        raise RuntimeError(f"drew only {len(out)} distinct cases of {n}: the case space of "
+                           f"{targets or 'all targets'} is too small for that many")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(out))
