@@ -17,6 +17,8 @@ else is F.linear, unchanged (training, FSDP/TP, CUDA, prefill).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -43,7 +45,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
         check.tensor(bias, "bias", f"[N={N}]", rank=1, dtypes=(x.dtype,))
         check.dim(bias, "bias", f"[N={N}]", 0, N, "N")
     device = check.same_device(x=x, w=w, bias=bias)
-    x2, w2 = x.detach().reshape(-1, K).contiguous(), w.detach().contiguous()
+    x2, w2 = x.detach().reshape(math.prod(x.shape[:-1]), K).contiguous(), w.detach().contiguous()
     b2 = None if bias is None else bias.detach().contiguous()
     y = dispatch("gemv", device, {
         "cpp": lambda: cpp_ops().gemv(x2, w2, b2),

@@ -36,10 +36,11 @@ using bf16_bits = uint16_t;   // bf16 as stored: the high half of an fp32
 // ops, no shuffle). The activations are laid out to match: per block of 32,
 // the 16 even elements then the 16 odd ones (split_pairs), zero-padded to a
 // multiple of 32.
-// Weight rows of at most this many bytes get the next tile prefetched by
+// Weight rows of at most this many bytes get a later tile prefetched by
 // software (see rows()); longer rows stream well enough on their own, and the
 // extra prefetches measured a few % slower there (noisy shared host).
 constexpr int64_t kPrefetchMaxRowBytes = 2048;
+constexpr int64_t kPrefetchMinBytes = 8192;   // 8 KiB ahead measured best of 1 tile, 8, 16 and 32 KiB
 
 inline int64_t split_len(int64_t K) { return (K + 31) / 32 * 32; }
 
@@ -231,9 +232,11 @@ void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, const f
       for (int j = 0; j < mb; ++j) xr[j] = x + (m0 + j) * ldx;
       // The next tile's rows (contiguous) are prefetched one line per line read:
       // rows of a few KiB are too short a stream for the hardware prefetcher.
-      const bool prefetch = m0 == 0 && K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes && n + 2 * NB <= n1;
+      // The distance is at least kPrefetchMinBytes, so tiles of short rows look several tiles ahead.
+      const int64_t ahead = NB * ((kPrefetchMinBytes / int64_t(sizeof(W)) + NB * K - 1) / (NB * K));
+      const bool prefetch = m0 == 0 && K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes && n + NB + ahead <= n1;
       if (nb == NB)
-        tile_any(NB, mb, xr, wr, K, out, prefetch ? reinterpret_cast<const char*>(w + (n + NB) * K) : nullptr);
+        tile_any(NB, mb, xr, wr, K, out, prefetch ? reinterpret_cast<const char*>(w + (n + ahead) * K) : nullptr);
       else
         for (int j = 0; j < nb; ++j) tile_any(1, mb, xr, wr + j, K, out + j);
       for (int j = 0; j < nb; ++j) {
