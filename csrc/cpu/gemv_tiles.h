@@ -233,8 +233,9 @@ void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, const f
       // The next tile's rows (contiguous) are prefetched one line per line read:
       // rows of a few KiB are too short a stream for the hardware prefetcher.
       // The distance is at least kPrefetchMinBytes, so tiles of short rows look several tiles ahead.
-      const int64_t ahead = NB * ((kPrefetchMinBytes / int64_t(sizeof(W)) + NB * K - 1) / (NB * K));
-      const bool prefetch = m0 == 0 && K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes && n + NB + ahead <= n1;
+      const bool short_rows = K > 0 && K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes;
+      const int64_t ahead = short_rows ? NB * ((kPrefetchMinBytes / int64_t(sizeof(W)) + NB * K - 1) / (NB * K)) : 0;
+      const bool prefetch = m0 == 0 && short_rows && n + NB + ahead <= n1;
       if (nb == NB)
         tile_any(NB, mb, xr, wr, K, out, prefetch ? reinterpret_cast<const char*>(w + (n + ahead) * K) : nullptr);
       else
