@@ -80,7 +80,7 @@ def dsa_expanded_is_cheaper(device: torch.device, S: int, q_start: int, topk: in
 # and blocks for reuse, which wins once there are enough rows to reuse the
 # weight (compute-bound) and loses below that (bench/gemv_bench.py measures
 # both on the small preset's shapes; bench/RESULTS.md, "Decode linear layers").
-GEMV_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+GEMV_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 4}   # measured: bench/RESULTS.md, rows sweep
 
 
 def gemv_is_faster(rows: int, dtype: torch.dtype) -> bool:
