@@ -57,6 +57,11 @@ TORCH_LIBRARY(glm5, m) {
   m.def("dequantize(Tensor packed, Tensor scale, Tensor zero, int bits, int group_size, SymInt[] shape, "
         "ScalarType dtype) -> Tensor");
 
+  // --- Decode linear layers ---
+  // x[M,K], w[N,K] (both fp32 or both bf16), bias?[N] (x's dtype) -> [M,N] = x @ w^T + bias, fp32
+  // accumulation; a matrix-vector kernel for few rows (glm5_ops/plan.py decides when it runs)
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+
   // --- INT8 inference (per-row symmetric int8: x ~ q * scale, q in [-127, 127]) ---
   // x[..., K] -> (q int8[..., K], scale fp32[...])
   m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");

@@ -13,6 +13,8 @@ from .attention import BlockMask, block_sparse_attention, block_topk_mask, spars
 from .compress import SavedTensorMeter, compressed_activations, dequantize, quantize_groupwise
 from .indexer import indexer_scores, indexer_topk, topk_indices
 from .int8 import fused_moe_int8, int8_linear, quantize_int8, w8a8_linear
+from . import linear as linear_module
+from .linear import gemv, linear, takes_gemv as linear_takes_gemv
 from .moe import fused_moe, moe_combine, moe_dispatch, moe_route
 from .moe_plan import MoEPlan
 from .recall import AttentionRecall, attention_recall
@@ -23,4 +25,4 @@ __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "attention_recall", "AttentionRecall",
            "moe_route", "moe_dispatch", "moe_combine", "fused_moe", "MoEPlan",
            "quantize_groupwise", "dequantize", "compressed_activations", "SavedTensorMeter",
-           "quantize_int8", "int8_linear", "w8a8_linear", "fused_moe_int8"]
+           "quantize_int8", "int8_linear", "w8a8_linear", "fused_moe_int8", "gemv", "linear", "linear_takes_gemv"]

@@ -1,4 +1,5 @@
-"""Which form MLA attends in: the kernels' cost model, beside the kernels.
+"""The kernels' cost model, beside the kernels: which form MLA attends in,
+and when a linear layer runs the matrix-vector kernel (`gemv_is_faster`).
 
 MLA attends absorbed (every head over the one latent+rope key per token: MQA
 with Dk = kv_lora + rope) or expanded (per-head K/V from kv_b_proj: one kv head
@@ -72,3 +73,16 @@ def dsa_expanded_is_cheaper(device: torch.device, S: int, q_start: int, topk: in
     absorbed = selected * (2 * kv_lora + rope) + S * kv_lora * (nope + v_dim)
     expanded = visible * (nope + rope + v_dim) / lane_rate
     return expanded + last * kv_lora * (nope + v_dim) < absorbed
+
+
+# Linear layers: the gemv kernel (csrc/cpu/gemv.cpp) streams the weight once per
+# call and multiplies it into every row; the BLAS GEMM behind F.linear packs
+# and blocks for reuse, which wins once there are enough rows to reuse the
+# weight (compute-bound) and loses below that (bench/gemv_bench.py measures
+# both on the small preset's shapes; bench/RESULTS.md, "Decode linear layers").
+GEMV_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 4}   # measured: bench/RESULTS.md, rows sweep
+
+
+def gemv_is_faster(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a CPU linear layer over `rows` rows of `dtype` runs faster as gemv than as F.linear."""
+    return 0 < rows <= GEMV_MAX_ROWS.get(dtype, 0)

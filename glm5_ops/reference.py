@@ -696,3 +696,17 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
                               int8_dequantize_rows(w_down[e], down_scale[e], torch.float64))
         out = out.index_add(0, token_idx, y * weights[token_idx, slot, None].double())
     return out.to(x.dtype)
+
+
+# --------------------------------------------------------------------------
+# Decode linear layers
+# --------------------------------------------------------------------------
+
+def gemv(x, w, bias=None):
+    """y = x @ w^T + bias for x [M,K], w [N,K] (both fp32 or both bf16), bias [N]
+    (x's dtype) or None -> [M,N] in x.dtype. The kernel accumulates in fp32 and
+    rounds once to x.dtype; this oracle sums in float64, then casts once."""
+    y = x.double() @ w.double().T
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)

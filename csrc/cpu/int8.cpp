@@ -12,18 +12,20 @@
 //
 // Why these paths (bench/int8_bench.py measures them; bench/RESULTS.md, "INT8"):
 // - Few rows (decode, M <= kGemvRows): the weights are the traffic. The GEMV
-//   kernel below streams each int8 weight row once per block of up to 4
-//   activation rows, widening 16 int8 to fp32 in registers (AVX-512; 8 with
-//   AVX2) and FMA-ing against fp32 activations: a quarter of fp32's bytes.
+//   tiles of gemv_tiles.h stream 8 int8 weight rows side by side per thread
+//   (a contiguous range of rows each), widening 16 int8 to fp32 in registers
+//   and FMA-ing against fp32 activations: a quarter of fp32's bytes.
 // - Many rows (prefill): compute bounds the step. The weight-only path
 //   dequantises the weight once into x's dtype and calls the BLAS GEMM (the
 //   dequantisation is O(N K) against the GEMM's O(M N K)); the W8A8 path calls
 //   at::_int_mm (oneDNN's u8s8 VNNI GEMM on this CPU), which measured faster
 //   than an fp32 or bf16 GEMM at prefill sizes.
 // - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
-//   expert, then per active expert gate/up -> silu(g)*u -> down, GEMV or
-//   dequantise+GEMM by its row count (decode: each chosen expert's int8 rows
-//   are read once), and a gather by token that sums its k slots in order
+//   expert; when no expert has more than kGemvRows rows (decode, T <= 16 with
+//   top-k spread), gate/up of all chosen experts in one parallel pass over
+//   (expert, row tile), silu(g)*u, then down likewise (each chosen expert's
+//   int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
+//   by its row count. A gather by token sums its k slots in order
 //   (deterministic, no atomics).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,95 +41,50 @@
 #include <vector>
 
 #include "checks.h"
+#include "gemv_tiles.h"
 #include "parallel.h"
 
 namespace glm5 {
 namespace cpu {
 namespace {
 
-constexpr int64_t kGemvRows = 16;   // at most this many activation rows take the GEMV path
-constexpr int64_t kRowBlock = 64;   // weight rows per parallel task of the GEMV
+constexpr int64_t kGemvRows = 16;                 // at most this many activation rows take the GEMV path
+constexpr int64_t kTileRows = 8;                  // weight rows per tile (gemv_tiles.h's widest)
+constexpr int64_t kMinBytesPerThread = 1 << 16;   // below this a second thread costs more than it reads
 
-// ------------------------------------------------------------- GEMV core --
-
-#if defined(__AVX512F__)
-inline __m512 widen16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-#endif
-
-// acc[m] = sum_k x[m][k] * w[k] for MB activation rows, one weight row w.
-template <int MB>
-inline void dot_rows(const float* const* x, const int8_t* w, int64_t K, float* acc) {
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  // MB * U independent FMA chains hide the FMA latency (MB = 1: four chains over k).
-  constexpr int U = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  __m512 a[MB][U];
-  for (int m = 0; m < MB; ++m)
-    for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
-  for (; k + 16 * U <= K; k += 16 * U)
-    for (int u = 0; u < U; ++u) {
-      const __m512 wv = widen16(w + k + 16 * u);
-      for (int m = 0; m < MB; ++m) a[m][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x[m] + k + 16 * u), wv, a[m][u]);
-    }
-  for (; k + 16 <= K; k += 16) {
-    const __m512 wv = widen16(w + k);
-    for (int m = 0; m < MB; ++m) a[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x[m] + k), wv, a[m][0]);
-  }
-  for (int m = 0; m < MB; ++m) {
-    __m512 s = a[m][0];
-    for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, a[m][u]);
-    acc[m] = hsum(s);
-  }
-#elif defined(__AVX2__)
-  __m256 a[MB];
-  for (int m = 0; m < MB; ++m) a[m] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
-    for (int m = 0; m < MB; ++m) a[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x[m] + k), wv, a[m]);
-  }
-  for (int m = 0; m < MB; ++m) {
-    alignas(32) float t[8];
-    _mm256_store_ps(t, a[m]);
-    acc[m] = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-  }
-#else
-  for (int m = 0; m < MB; ++m) acc[m] = 0.f;
-#endif
-  for (; k < K; ++k)
-    for (int m = 0; m < MB; ++m) acc[m] += x[m][k] * float(w[k]);
-}
-
-// out[m*ldo + n] = scale[n] * (x[m] . w[n]) + bias[n] for m < M, n in [n0, n1).
-void gemv_block(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias,
-                int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mb = std::min<int64_t>(4, M - m0);
-    const float* xr[4];
-    for (int64_t m = 0; m < mb; ++m) xr[m] = x + (m0 + m) * K;
-    float acc[4];
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* wr = w + n * K;
-      switch (mb) {
-        case 1: dot_rows<1>(xr, wr, K, acc); break;
-        case 2: dot_rows<2>(xr, wr, K, acc); break;
-        case 3: dot_rows<3>(xr, wr, K, acc); break;
-        default: dot_rows<4>(xr, wr, K, acc); break;
-      }
-      const float b = bias ? bias[n] : 0.f;
-      for (int64_t m = 0; m < mb; ++m) out[(m0 + m) * ldo + n] = acc[m] * scale[n] + b;
-    }
-  }
-}
-
-// y[M,N] fp32 = x[M,K] fp32 @ (w * scale)^T + bias, all threads over weight-row blocks.
+// y[M,N] fp32 = x[M,K] fp32 @ (w * scale)^T + bias: each thread streams its own
+// contiguous range of weight rows (gemv_tiles.h; a row's result does not depend on M).
 void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
           float* y) {
-  // Dynamic hand-out: a thread whose core is busy with another process takes fewer blocks.
-  parallel_dynamic((N + kRowBlock - 1) / kRowBlock, [] { return 0; }, [&](int64_t b, int) {
-    gemv_block(x, M, K, w, scale, bias, b * kRowBlock, std::min(N, (b + 1) * kRowBlock), y, N);
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * std::max<int64_t>(K, 1)));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    gemv::rows<int8_t>(x, K, M, K, w, scale, bias, t0 * kTileRows, std::min(N, t1 * kTileRows), y, N);
+  });
+}
+
+// For every expert e with rows [offsets[e], offsets[e+1]) of x (sorted pairs, [*, K]):
+// y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N]. One
+// parallel pass over all (expert, weight-row tile) pairs, each thread taking a
+// contiguous run of tiles: one fork/join per projection instead of one per expert,
+// and the threads stay busy across expert boundaries.
+void expert_gemv(const std::vector<int64_t>& offsets, const float* x, int64_t K, const int8_t* w,
+                 const float* scale, int64_t N, float* y) {
+  const int64_t per_expert = (N + kTileRows - 1) / kTileRows;
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e + 1 < int64_t(offsets.size()); ++e)
+    if (offsets[e + 1] > offsets[e]) active.push_back(e);
+  const int64_t tiles = int64_t(active.size()) * per_expert;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * std::max<int64_t>(K, 1)));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    while (t0 < t1) {   // the run of tiles [t0, t1) split at expert boundaries
+      const int64_t a = t0 / per_expert, first = t0 % per_expert;
+      const int64_t last = std::min(per_expert, first + (t1 - t0));
+      const int64_t e = active[a], r0 = offsets[e], n = offsets[e + 1] - r0;
+      gemv::rows<int8_t>(x + r0 * K, K, n, K, w + e * N * K, scale + e * N, nullptr, first * kTileRows,
+                         std::min(N, last * kTileRows), y + r0 * N, N);
+      t0 += last - first;
+    }
   });
 }
 
@@ -277,30 +234,42 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   auto y_sorted = at::empty({T * k, D}, x.options());   // expert output of each sorted pair
   const float* xp = x.data_ptr<float>();
   float* ys = y_sorted.data_ptr<float>();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
-    if (n == 0) continue;
-    auto xs = at::empty({n, D}, x.options());
+  int64_t busiest = 0;
+  for (int64_t e = 0; e < E; ++e) busiest = std::max(busiest, offsets[e + 1] - offsets[e]);
+  if (busiest <= kGemvRows) {   // decode: every chosen expert's int8 rows streamed once, all experts in one pass
+    auto xs = at::empty({T * k, D}, x.options());
     float* xsp = xs.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pair_of[r0 + r] / k) * D, D, xsp + r * D);
-    const at::Tensor wgu_e = wgu[e], wd_e = wd[e], gus_e = gus[e], ds_e = ds[e];
-    at::Tensor h;
-    if (n <= kGemvRows) {
-      h = at::empty({n, I2}, x.options());
-      gemv(xsp, n, D, wgu_e.data_ptr<int8_t>(), gus_e.data_ptr<float>(), nullptr, I2, h.data_ptr<float>());
-    } else if (w8a8) {
-      h = int8_gemm(xs, wgu_e, gus_e);
-    } else {
-      h = at::linear(xs, dequantize_rows(wgu_e, gus_e, at::kFloat));
-    }
+    for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);
+    auto h = at::empty({T * k, I2}, x.options());
+    expert_gemv(offsets, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>());
     const at::Tensor a = (at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I)).contiguous();
-    at::Tensor y = y_sorted.narrow(0, r0, n);
-    if (n <= kGemvRows)
-      gemv(a.data_ptr<float>(), n, I, wd_e.data_ptr<int8_t>(), ds_e.data_ptr<float>(), nullptr, D, ys + r0 * D);
-    else if (w8a8)
-      y.copy_(int8_gemm(a, wd_e, ds_e));
-    else
-      at::linear_out(y, a, dequantize_rows(wd_e, ds_e, at::kFloat));
+    expert_gemv(offsets, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys);
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
+      if (n == 0) continue;
+      auto xs = at::empty({n, D}, x.options());
+      float* xsp = xs.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pair_of[r0 + r] / k) * D, D, xsp + r * D);
+      const at::Tensor wgu_e = wgu[e], wd_e = wd[e], gus_e = gus[e], ds_e = ds[e];
+      at::Tensor h;
+      if (n <= kGemvRows) {
+        h = at::empty({n, I2}, x.options());
+        gemv(xsp, n, D, wgu_e.data_ptr<int8_t>(), gus_e.data_ptr<float>(), nullptr, I2, h.data_ptr<float>());
+      } else if (w8a8) {
+        h = int8_gemm(xs, wgu_e, gus_e);
+      } else {
+        h = at::linear(xs, dequantize_rows(wgu_e, gus_e, at::kFloat));
+      }
+      const at::Tensor a = (at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I)).contiguous();
+      at::Tensor y = y_sorted.narrow(0, r0, n);
+      if (n <= kGemvRows)
+        gemv(a.data_ptr<float>(), n, I, wd_e.data_ptr<int8_t>(), ds_e.data_ptr<float>(), nullptr, D, ys + r0 * D);
+      else if (w8a8)
+        y.copy_(int8_gemm(a, wd_e, ds_e));
+      else
+        at::linear_out(y, a, dequantize_rows(wd_e, ds_e, at::kFloat));
+    }
   }
 
   // Combine: out[t] = sum_j weights[t,j] * y of pair (t,j), slots in order.

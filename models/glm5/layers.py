@@ -1,10 +1,21 @@
-"""The network's small pieces: RMSNorm, GLM-5's RoPE, the SwiGLU MLP."""
+"""The network's small pieces: the linear layer, RMSNorm, GLM-5's RoPE, the SwiGLU MLP."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+import glm5_ops
+
 from .workspace import silu_mul
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, names and state dict) whose forward is
+    glm5_ops.linear: a decode step's few rows run the matrix-vector kernel,
+    everything else (autograd, DTensor weights, CUDA, prefill) F.linear."""
+
+    def forward(self, x):
+        return glm5_ops.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -39,9 +50,9 @@ def apply_rope(x, cos, sin):
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

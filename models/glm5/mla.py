@@ -18,7 +18,7 @@ from torch import nn
 from glm5_ops.nvtx import nvtx_range
 
 from .config import GLM5Config
-from .layers import RMSNorm, apply_rope
+from .layers import Linear, RMSNorm, apply_rope
 from .workspace import Workspace, assign, joined
 
 
@@ -29,10 +29,10 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
-        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False)
 
     def _rope_front(self, x, cos, sin):
         r = self.rope_dim
@@ -80,13 +80,13 @@ class MLAttention(nn.Module):
         self.n_heads, self.nope, self.rope_dim = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         self.kv_lora, self.v_dim = c.kv_lora_rank, c.v_head_dim
         self.scale = c.qk_head_dim ** -0.5
-        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+        self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
+        self.q_b_proj = Linear(c.q_lora_rank, self.n_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
+        self.kv_b_proj = Linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.indexer = None if shared_selection else Indexer(c)
         self._lifted = (None, None)   # (weight version, [[W_UK, 0], [0, I]]): see lifted_w_uk
 

@@ -36,7 +36,7 @@ from glm5_ops.nvtx import nvtx_range
 from .cache import CacheView
 from .attention_modes import DEFAULT_ATTENTION, AttentionMode, attention_mode
 from .config import GLM5Config
-from .layers import MLP, RMSNorm, rope_cos_sin
+from .layers import MLP, Linear, RMSNorm, rope_cos_sin
 from .mla import MLAttention
 from .moe import MoE, Experts, Router
 from .workspace import Workspace
@@ -77,7 +77,7 @@ class MTPLayer(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layer = DecoderLayer(config, layer_idx, sparse_mlp=True, shared_selection=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -204,7 +204,7 @@ class GLM5ForCausalLM(nn.Module):
         self.attention_mode = attention_mode(attn)
         self.config, self.fused, self.block_size = config, fused, block_size
         self.model = GLM5Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.record = False                      # profiling: keep last_selection / last_routing

@@ -239,6 +239,14 @@ def dequantize(draw, d: Dims, raw: bool):
             Arg("dtype", {"dtype": draw(st.sampled_from(FLOATS))}, "dtype")]
 
 
+# ------------------------------------------------------------------ linear --
+
+def gemv(draw, d: Dims, raw: bool):
+    M, K, N = d(0, 9), d(0, 9, (17, 33, 65)), d(0, 9, (17,))
+    dt = draw(st.sampled_from(["float32", "bfloat16"]))
+    return [_ft(draw, "x", [M, K], dt), _ft(draw, "w", [N, K], dt), _ft(draw, "bias", [N], dt)]
+
+
 def _fix(builder, **bound):
     return lambda draw, d, raw: builder(draw, d, raw, **bound)
 
@@ -257,6 +265,7 @@ PUBLIC = {
     "fused_moe": (fused_moe, ("cpp", "reference", "triton")),
     "quantize_groupwise": (quantize_groupwise, ("cpp", "reference", "triton")),
     "dequantize": (dequantize, ("cpp", "reference", "triton")),
+    "gemv": (gemv, ("cpp", "reference")),
 }
 # The differentiable ops, run forward then backward through autograd.
 BACKWARD = ("sparse_attention", "block_sparse_attention", "fused_moe")
@@ -277,4 +286,5 @@ RAW = {
     "fused_moe_bwd": _fix(fused_moe, backward=True),
     "quantize_groupwise": quantize_groupwise,
     "dequantize": dequantize,
+    "gemv": gemv,
 }

@@ -1,0 +1,194 @@
+"""Decode linear layers on the CPU: how close to the memory bandwidth each
+kernel streams the weights (bench/RESULTS.md, "Decode linear layers").
+
+    python bench/gemv_bench.py --threads 2 [--skip-model]
+
+1. Read bandwidth: W.sum() over the same fp32 weight sets the kernels read.
+2. M=1 on the small preset's real shapes and the shapes of issue 23's probe:
+   F.linear and glm5_ops.gemv in fp32 and bf16, glm5_ops.int8_linear; GB/s of
+   the weight bytes (int8: codes + scales) and the fraction of (1). Several
+   weight sets are cycled so no call finds its weights in the 32 MiB L3.
+3. Rows sweep (the threshold in glm5_ops/plan.py): F.linear vs gemv, M = 1..32.
+4. fused_moe_int8 decode, T = 1, 4, 16: GB/s of the chosen experts' int8 bytes.
+5. Model: decode tokens/s of the preset at --context tokens, batch 1, fp32 / bf16 /
+   int8_weight_only, with the linear layers on F.linear ("before": plan's
+   GEMV_MAX_ROWS emptied) and on gemv ("after"), all in this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import glm5_ops  # noqa: E402
+from glm5_ops import plan  # noqa: E402
+from models.glm5 import GLM5ForCausalLM, preset, quantize  # noqa: E402
+
+L3 = 32 * 2**20
+
+
+def median_time(fn, reps, rounds=5):
+    fn()
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        ts.append((time.perf_counter() - t0) / reps)
+    return statistics.median(ts)
+
+
+def cycling(fn, items):
+    state = [0]
+
+    def run():
+        state[0] = (state[0] + 1) % len(items)
+        return fn(items[state[0]])
+    return run
+
+
+def shapes(c):
+    real = {"q_a_proj": (c.q_lora_rank, c.hidden_size),
+            "q_b_proj": (c.num_attention_heads * c.qk_head_dim, c.q_lora_rank),
+            "kv_a_proj": (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size),
+            "o_proj": (c.hidden_size, c.num_attention_heads * c.v_head_dim),
+            "mlp gate/up": (c.intermediate_size, c.hidden_size), "mlp down": (c.hidden_size, c.intermediate_size),
+            "lm_head": (c.vocab_size, c.hidden_size)}
+    probe = {"probe": (6144, 2048), "probe ": (2048, 6144), "probe  ": (16384, 1024), "probe   ": (75776, 1024)}
+    return {**real, **probe}
+
+
+def bench_ops(a):
+    c = preset(a.preset)
+    print("| layer | N x K | sum GB/s | F.linear fp32 | gemv fp32 | F.linear bf16 | gemv bf16 | int8_linear |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (N, K) in shapes(c).items():
+        copies = max(2, 2 * L3 // (N * K * 4) + 1)
+        wf = [torch.randn(N, K) * K ** -0.5 for _ in range(copies)]
+        wb = [w.bfloat16() for w in wf]
+        wq = [glm5_ops.quantize_int8(w) for w in wf]
+        x, xb = torch.randn(1, K), torch.randn(1, K).bfloat16()
+        reps = max(3, int(2e8 // (N * K * 4)))
+        t = {"sum": median_time(cycling(lambda w: w.sum(), wf), reps),
+             "lin32": median_time(cycling(lambda w: F.linear(x, w), wf), reps),
+             "gemv32": median_time(cycling(lambda w: glm5_ops.gemv(x, w), wf), reps),
+             "lin16": median_time(cycling(lambda w: F.linear(xb, w), wb), reps),
+             "gemv16": median_time(cycling(lambda w: glm5_ops.gemv(xb, w), wb), reps),
+             "int8": median_time(cycling(lambda q: glm5_ops.int8_linear(x, *q), wq), reps)}
+        bw = N * K * 4 / t["sum"] / 1e9
+        nbytes = {"lin32": N * K * 4, "gemv32": N * K * 4, "lin16": N * K * 2, "gemv16": N * K * 2,
+                  "int8": N * K + N * 4}
+        cells = [f"{nbytes[k] / t[k] / 1e9:.1f} ({nbytes[k] / t[k] / 1e9 / bw:.0%})" for k in nbytes]
+        print(f"| {name.strip()} | {N}x{K} | {bw:.1f} | " + " | ".join(cells) + " |", flush=True)
+        del wf, wb, wq
+
+
+def bench_rows(a):
+    c = preset(a.preset)
+    N, K = c.intermediate_size, c.hidden_size
+    print(f"\nrows sweep [{N}x{K}], us per call (F.linear / gemv):")
+    print("| M | fp32 F.linear | fp32 gemv | bf16 F.linear | bf16 gemv |\n|---|---|---|---|---|")
+    copies = 2 * L3 // (N * K * 4) + 1
+    wf = [torch.randn(N, K) * K ** -0.5 for _ in range(copies)]
+    wb = [w.bfloat16() for w in wf]
+    for M in (1, 2, 4, 8, 12, 16, 24, 32):
+        x = torch.randn(M, K)
+        xb = x.bfloat16()
+        ts = [median_time(cycling(f, ws), 20) * 1e6 for f, ws in
+              ((lambda w: F.linear(x, w), wf), (lambda w: glm5_ops.gemv(x, w), wf),
+               (lambda w: F.linear(xb, w), wb), (lambda w: glm5_ops.gemv(xb, w), wb))]
+        print(f"| {M} | " + " | ".join(f"{v:.0f}" for v in ts) + " |", flush=True)
+
+
+def bench_moe(a, bw):
+    c = preset(a.preset)
+    E, I, D, k = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.num_experts_per_tok
+    layers = []
+    for _ in range(sum(t == "sparse" for t in c.mlp_layer_types)):
+        layers.append((*glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5),
+                       *glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)))
+    for T in (1, 4, 16):
+        g = torch.Generator().manual_seed(T)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+        x, w = torch.randn(T, D), torch.rand(T, k)
+        n_exp = int(ids.unique().numel())
+        nbytes = n_exp * (3 * I * D + 4 * (2 * I + D))
+        t = median_time(cycling(lambda l: glm5_ops.fused_moe_int8(x, *l, w, ids), layers), 4 * len(layers))
+        print(f"fused_moe_int8 T={T} ({n_exp} experts): {t * 1e6:.0f} us, {nbytes / t / 1e9:.1f} GB/s, "
+              f"{nbytes / t / 1e9 / bw:.0%} of {bw:.1f} GB/s", flush=True)
+
+
+def bench_model(a):
+    torch.manual_seed(0)
+    c = preset(a.preset)
+    fp32 = GLM5ForCausalLM(c, attn="dsa").eval()
+    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
+              "int8": quantize(copy.deepcopy(fp32), "int8_weight_only")}
+    ids = torch.randint(0, c.vocab_size, (1, a.context + a.steps + 2))
+    caches = {}
+    with torch.no_grad():
+        for n, m in models.items():
+            caches[n] = m.new_cache(1, a.context + a.steps + 8)
+            m.prefill(ids[:, :a.context], caches[n])
+        rows = dict(plan.GEMV_MAX_ROWS)
+
+        def decode(n, on):
+            def run():
+                plan.GEMV_MAX_ROWS.clear()
+                plan.GEMV_MAX_ROWS.update(rows if on else {})
+                caches[n].truncate(a.context)
+                for s in range(a.steps):
+                    models[n](ids[:, a.context + s:a.context + s + 1], caches[n])
+            return run
+        fns = {f"{n} {'gemv' if on else 'F.linear'}": decode(n, on) for n in models for on in (False, True)}
+        per = {k: [] for k in fns}
+        for _ in range(a.rounds):
+            for k, f in fns.items():
+                f()
+                t0 = time.perf_counter()
+                f()
+                per[k].append(a.steps / (time.perf_counter() - t0))
+        plan.GEMV_MAX_ROWS.update(rows)
+    tok = {k: statistics.median(v) for k, v in per.items()}
+    print(f"\ndecode tok/s, {a.preset}, batch 1, {a.context}-token context, {a.steps} steps x {a.rounds} rounds:")
+    for k, v in tok.items():
+        print(f"  {k}: {v:.2f}")
+    f = tok["fp32 gemv"]
+    print(f"  fp32 gemv / F.linear {f / tok['fp32 F.linear']:.2f}x; bf16 {tok['bf16 gemv'] / tok['bf16 F.linear']:.2f}x; "
+          f"int8 / fp32 (both gemv) {tok['int8 gemv'] / f:.2f}x; int8 / bf16 {tok['int8 gemv'] / tok['bf16 gemv']:.2f}x")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--skip-ops", action="store_true")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    big = torch.randn(64 * 2**20)
+    bw = big.nbytes / median_time(lambda: big.sum(), 3) / 1e9
+    del big
+    print(f"read bandwidth (fp32 sum of 256 MiB): {bw:.1f} GB/s\n")
+    if not a.skip_ops:
+        bench_ops(a)
+        bench_rows(a)
+        bench_moe(a, bw)
+    if not a.skip_model:
+        bench_model(a)
+
+
+if __name__ == "__main__":
+    main()
