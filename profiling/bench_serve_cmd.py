@@ -108,7 +108,7 @@ def add_parser(subparsers):
     e.add_argument("--page-size", type=positive_int, default=64)
     e.add_argument("--enable-prefix-caching", action="store_true")
     e.add_argument("--speculative", action="store_true", help="MTP drafts for greedy requests (docs/SERVING.md)")
-    e.add_argument("--policy", choices=["continuous", "static"], default="continuous")
+    e.add_argument("--policy", choices=["continuous", "static", "static_unpadded"], default="continuous")
     e.add_argument("--long-prefill-token-threshold", type=nonnegative_int, default=0)
     p.add_argument("--out", metavar="DIR", help="output folder (default runs/bench-serve-<dataset>-<time>)")
     p.set_defaults(parser=p)

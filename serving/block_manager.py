@@ -201,6 +201,16 @@ class BlockManager:
             self.prefix_cache_hits += len(computed_pages) * self.page_size
         return True
 
+    def reserve_slots(self, req: Request, num_slots: int) -> bool:
+        """Grow req.block_ids to cover slots 0 .. num_slots - 1 whatever is computed
+        (padding a static batch computes there); False and nothing changed if the pool is short."""
+        needed = -(-num_slots // self.page_size) - len(req.block_ids)
+        if needed > self.num_free_pages:
+            return False
+        for _ in range(max(0, needed)):
+            req.block_ids.append(self._take_page())
+        return True
+
     def _take_page(self) -> int:
         if self._free:
             page = self._free.popleft()
@@ -273,8 +283,9 @@ class BlockManager:
                 raise AssertionError(
                     f"request {req.request_id}: {req.num_computed_tokens} computed tokens need {needed} "
                     f"pages, it holds {len(req.block_ids)}")
-            if len(req.block_ids) > -(-req.num_tokens // self.page_size):
-                raise AssertionError(f"request {req.request_id} holds more pages than its {req.num_tokens} tokens need")
+            if len(req.block_ids) > -(-max(req.num_tokens, req.pad_end) // self.page_size):
+                raise AssertionError(f"request {req.request_id} holds more pages than its {req.num_tokens} tokens "
+                                     f"and padding to {req.pad_end} need")
             self._check_request_keys(req)
         free_set = set(self._free)
         if len(free_set) != len(self._free):

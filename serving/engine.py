@@ -62,6 +62,9 @@ class Engine:
         if speculative and enable_prefix_caching:
             raise ValueError("speculative=True and enable_prefix_caching=True together are not supported: a cached "
                              "page's MTP keys depend on the token after the page (serving/speculative.py)")
+        if speculative and policy == "static":
+            raise ValueError("speculative=True and policy='static' together are not supported: the padded "
+                             "baseline computes pad rows the MTP drafter has no tokens for")
         self.drafter = MTPDrafter(model) if speculative else None
         self.requests: dict[str, Request] = {}     # unfinished ones
         self.num_generated_tokens = 0
@@ -245,6 +248,7 @@ class Engine:
     def stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
         return {"prefix_cache_hit_rate": bm.hit_rate, "slot_utilisation": sched.slot_utilisation,
+                "padding_fraction": sched.padding_fraction,
                 "kv_cache_usage": bm.usage, "num_preemptions": self.num_preemptions,
                 "num_running": sched.num_running, "num_waiting": sched.num_waiting,
                 "generated_tokens": self.num_generated_tokens, "steps": self.num_steps,

@@ -42,6 +42,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # MTP's drafts after the last token, to verify
     num_cached_tokens: int = 0               # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
+    pad_end: int = 0                         # static batching: one past the last slot padding wrote (0: none)
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # when each output token was produced
 

@@ -8,10 +8,17 @@ and sequence slots last. When the pool runs out of pages, the last admitted
 running request is preempted: its pages are freed and it is recomputed later
 from its prompt and the tokens it has generated so far.
 
-policy="static" is the baseline continuous batching is measured against: a
-batch is admitted only when the previous one has wholly finished, its prompts
-are prefilled whole in one step, and a member that finishes leaves its slot
-idle until the batch ends.
+policy="static" is the baseline continuous batching is measured against, as
+issue 18 defines it: fixed batches padded to the longest request, admitted
+only when the whole batch has finished. Its prompts are prefilled whole in
+one step, right-padded to the batch's longest (the padding is computed: pad
+tokens at the positions after each prompt, into the request's own pages,
+where its decodes later overwrite them; causality keeps them out of every
+real query's view), members decode in lock step, and a member that finishes
+keeps computing a pad token per step in its slot, on its pages, until the
+whole batch is done (a "ghost"). policy="static_unpadded" is the stricter
+baseline: the same batches, no padding computed, a finished member's slot
+idle and its pages freed.
 
 The engine loop:
     out = scheduler.schedule()
@@ -29,20 +36,22 @@ from dataclasses import dataclass, field
 from serving.block_manager import BlockManager
 from serving.request import Request, RequestStatus
 
-POLICIES = ("continuous", "static")
+POLICIES = ("continuous", "static", "static_unpadded")
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute request.all_token_ids[start:start + num_tokens] at positions start..."""
+    """Compute request.all_token_ids[start:start + num_tokens] at positions start...,
+    then num_pad pad tokens at the positions after them (static batching's padding)."""
     request: Request
     start: int
     num_tokens: int
+    num_pad: int = 0
 
     @property
     def reaches_end(self) -> bool:
         """Whether the chunk ends at the request's last token: its logits give the next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.num_tokens > 0 and self.start + self.num_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -73,8 +82,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self._live: dict[str, Request] = {}
-        self._busy_slots = 0          # sum over steps of requests that computed a token
+        self._ghosts: list[Request] = []   # policy "static": finished members padding their slots
+        self._busy_slots = 0          # sum over steps of requests that computed a real token
         self._num_steps = 0           # steps that computed anything
+        self.num_real_tokens = 0      # tokens computed for requests
+        self.num_pad_tokens = 0       # pad tokens computed (policy "static")
 
     # -------------------------------------------------------------- queries
     @property
@@ -85,6 +97,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def padding_requests(self) -> tuple[Request, ...]:
+        """policy "static": the batch's finished members, still computing padding on their pages."""
+        return tuple(self._ghosts)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)
 
@@ -93,8 +110,15 @@ class Scheduler:
 
     @property
     def slot_utilisation(self) -> float:
-        """Over steps that computed anything: requests computing a token / max_num_seqs."""
+        """Over steps that computed anything: requests computing a real token / max_num_seqs
+        (a static batch's padding slots are not busy)."""
         return self._busy_slots / (self._num_steps * self.max_num_seqs) if self._num_steps else 0.0
+
+    @property
+    def padding_fraction(self) -> float:
+        """Pad tokens / all tokens computed: the static baseline's waste (0 otherwise)."""
+        total = self.num_real_tokens + self.num_pad_tokens
+        return self.num_pad_tokens / total if total else 0.0
 
     # ------------------------------------------------------- request life
     def max_pages_needed(self, req: Request) -> int:
@@ -137,12 +161,23 @@ class Scheduler:
         if self._live.get(req.request_id) is not req:
             raise ValueError(f"req {req.request_id!r} is not queued or running here")
         del self._live[req.request_id]
-        if req.status == RequestStatus.RUNNING:
+        was_running = req.status == RequestStatus.RUNNING
+        if was_running:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         req.status = status
-        self.block_manager.free(req)
+        if self.policy == "static" and was_running and status != RequestStatus.FINISHED_ABORTED and self.running:
+            self._ghosts.append(req)  # keeps its slot and pages, computing padding, until the batch ends
+        else:
+            self.block_manager.free(req)
+        if not self.running:
+            self._end_batch()
+
+    def _end_batch(self) -> None:
+        for ghost in self._ghosts:
+            self.block_manager.free(ghost)
+        self._ghosts.clear()
 
     # ------------------------------------------------------------- stepping
     def update_from_step(self, chunk: ScheduledChunk) -> None:
@@ -158,14 +193,16 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.policy == "static":
-            self._schedule_static(out)
-        else:
+        if self.policy == "continuous":
             self._schedule_continuous(out)
-        out.num_batched_tokens = sum(c.num_tokens for c in out.scheduled)
+        else:
+            self._schedule_static(out)
+        out.num_batched_tokens = sum(c.num_tokens + c.num_pad for c in out.scheduled)
         if out.scheduled:
             self._num_steps += 1
-            self._busy_slots += len(out.scheduled)
+            self._busy_slots += sum(c.num_tokens > 0 for c in out.scheduled)
+            self.num_real_tokens += sum(c.num_tokens for c in out.scheduled)
+            self.num_pad_tokens += sum(c.num_pad for c in out.scheduled)
         return out
 
     def _tokens_left(self, req: Request) -> int:
@@ -206,10 +243,13 @@ class Scheduler:
 
     def _schedule_static(self, out: SchedulerOutput) -> None:
         if not self.running:
+            self._end_batch()
             # A new batch: prompts prefilled whole, the token budget ignored.
             while self.waiting and len(self.running) < self.max_num_seqs:
                 if self._admit(self.waiting[0], None, out) == 0:
                     break
+            if self.policy == "static":
+                self._pad_prompts(out)
             return
         for req in list(self.running):
             if req not in self.running:
@@ -220,10 +260,45 @@ class Scheduler:
             if not self._allocate_or_preempt(req, n, out):
                 break
             out.scheduled.append(ScheduledChunk(req, req.num_computed_tokens, n))
+        for ghost in list(self._ghosts):
+            pos = max(ghost.pad_end, ghost.num_computed_tokens)
+            if pos >= self.max_model_len or not self.block_manager.reserve_slots(ghost, pos + 1):
+                self._drop_ghost(ghost)   # no position or page left to pad on: its slot goes idle
+                continue
+            ghost.pad_end = pos + 1
+            out.scheduled.append(ScheduledChunk(ghost, pos, 0, num_pad=1))
+
+    def _pad_prompts(self, out: SchedulerOutput) -> None:
+        """Right-pads every first chunk of a new batch to the batch's longest; while the
+        padded batch does not fit the pool, its last member goes back to the queue."""
+        bm = self.block_manager
+        while out.scheduled:
+            longest = max(c.start + c.num_tokens for c in out.scheduled)
+            pages = -(-longest // bm.page_size)
+            if sum(max(0, pages - len(c.request.block_ids)) for c in out.scheduled) <= bm.num_free_pages:
+                break
+            last = out.scheduled.pop()
+            self.running.remove(last.request)
+            self._preempt(last.request)
+            out.preempted.append(last.request)
+        for i, c in enumerate(out.scheduled):
+            pad = longest - c.start - c.num_tokens
+            if pad:
+                if not bm.reserve_slots(c.request, longest):
+                    raise AssertionError("the free pages counted for the padding are gone")
+                c.request.pad_end = longest
+                out.scheduled[i] = ScheduledChunk(c.request, c.start, c.num_tokens, num_pad=pad)
+
+    def _drop_ghost(self, ghost: Request) -> None:
+        self._ghosts.remove(ghost)
+        self.block_manager.free(ghost)
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Pages for n more tokens of running req, preempting from the back; False if req went."""
         while not self.block_manager.allocate_slots(req, n):
+            if self._ghosts:          # padding gives way before any request does
+                self._drop_ghost(self._ghosts[-1])
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -234,6 +309,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.pad_end = 0
         req.spec_token_ids.clear()
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -270,4 +346,7 @@ class Scheduler:
                 raise AssertionError(f"running request {req.request_id!r} has status {req.status}")
         if len(self._live) != len(self.running) + len(self.waiting):
             raise AssertionError("a live request is neither running nor waiting")
-        self.block_manager.check_invariants(self._live.values())
+        for ghost in self._ghosts:
+            if not ghost.status.finished or ghost.request_id in self._live:
+                raise AssertionError(f"padding slot {ghost.request_id!r} is not a finished member of the batch")
+        self.block_manager.check_invariants([*self._live.values(), *self._ghosts])

@@ -55,7 +55,7 @@ def _busy(engine, prompts, params):
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = out.outputs[0].token_ids
-        engine.block_manager.check_invariants(list(engine.requests.values()))
+        engine.scheduler.check_invariants()          # the live requests and a static batch's padding slots
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages     # the pool is whole again
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
@@ -105,6 +105,37 @@ def test_busy_batch_gives_each_request_its_tokens_alone(case):
     if "spec" in case:
         assert stats["spec_drafts_proposed"][0] > 100, stats
         print(case, {k: v for k, v in stats.items() if k.startswith("spec")})
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("-inf")])
+def test_unwritten_pool_slots_never_reach_a_token(poison):
+    """The pool comes from torch.empty: its unwritten slots hold whatever the
+    heap held (the test suite's earlier tensors: -inf masks, NaN). Dense
+    attention reads every key of a decode segment, masked past each sequence's
+    end; a masked NaN or -inf key still poisons the softmax (q.k + -inf), so
+    those positions must read the pool's zeroed null slot. Before that fix a
+    busy batch's tokens depended on what ran earlier in the process."""
+    model, prompts, params, alone = _model_and_alone("tiny", "dense")
+    n = 16
+    engine = Engine(model, max_num_seqs=16, max_num_batched_tokens=96, long_prefill_token_threshold=48,
+                    num_pages=200, page_size=16, enable_prefix_caching=True, log=False)
+    null = engine.pool.null_slot
+    engine.pool.latent[:, :null].fill_(poison)
+    busy = _busy(engine, prompts[:n], params[:n])
+    differ = [i for i in range(n) if busy[i] != alone[i]]
+    assert not differ, f"requests {differ} read unwritten slots"
+
+
+def test_static_batch_padding_leaves_each_request_its_tokens_alone():
+    """policy="static" computes pad tokens after each shorter prompt and in
+    finished members' slots, on their own pages: no real token may see them."""
+    model, prompts, params, alone = _model_and_alone("tiny", "dsa")
+    n = 24
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=96, num_pages=200, page_size=16,
+                    policy="static", log=False)
+    busy = _busy(engine, prompts[:n], params[:n])
+    assert [i for i in range(n) if busy[i] != alone[i]] == []
+    assert engine.stats()["padding_fraction"] > 0.2
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_pages():

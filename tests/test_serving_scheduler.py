@@ -8,6 +8,7 @@ or after being evicted and reused fails here, not only a miscounted refcount.
 """
 import random
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +30,7 @@ def make_sched(num_pages=32, page_size=4, caching=True, **kw):
 
 
 class FakeEngine:
-    """schedule -> pretend-compute -> update -> sample, checking the KV it reads."""
+    """schedule -> pretend-compute every chunk -> update -> sample, checking the KV it reads."""
 
     def __init__(self, sched, rng, vocab=3, stop_prob=0.0):
         self.sched, self.rng, self.vocab, self.stop_prob = sched, rng, vocab, stop_prob
@@ -54,8 +55,15 @@ class FakeEngine:
         out = self.sched.schedule()
         for chunk in out.scheduled:
             req = chunk.request
-            assert chunk.start == req.num_computed_tokens
             end = chunk.start + chunk.num_tokens
+            # Padding (policy "static") writes garbage on the request's own pages: a real token that
+            # reads it, or a shared page it lands on, fails the digest check below.
+            for pos in range(end, end + chunk.num_pad):
+                self.kv[self._slot(req, pos)] = "pad"
+            if chunk.num_tokens == 0:
+                assert req.status.finished, "only a finished member of a static batch computes padding alone"
+                continue
+            assert chunk.start == req.num_computed_tokens
             digests = self._digests(req, end)
             for pos in range(chunk.start):
                 assert self.kv[self._slot(req, pos)] == digests[pos], \
@@ -63,6 +71,8 @@ class FakeEngine:
             for pos in range(chunk.start, end):
                 self.kv[self._slot(req, pos)] = digests[pos]
             self.sched.update_from_step(chunk)
+        for chunk in out.scheduled:      # as the engine: the whole step's forward, then sampling
+            req = chunk.request
             if chunk.reaches_end:
                 req.output_token_ids.append(self.rng.randrange(self.vocab))
                 if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.sched.max_model_len:
@@ -327,15 +337,58 @@ def test_static_policy_admits_only_when_batch_finished():
             sched.add_request(make_req(rid, range(10), max_tokens=max_tokens))
         return sched, engine.run_to_end()
 
-    sched, outs = run("static", 4)
+    sched, outs = run("static_unpadded", 4)
     # Prompts prefilled whole despite the budget of 4; request 3 waits for the whole batch.
     assert [(c.request.request_id, c.num_tokens) for c in outs[0].scheduled] == [("1", 10), ("2", 10)]
     ids = [[c.request.request_id for c in out.scheduled] for out in outs]
     assert ids == [["1", "2"], ["1", "2"]] + [["2"]] * 4 + [["3"], ["3"]]
     assert sched.slot_utilisation == pytest.approx(10 / 16)
+    assert sched.padding_fraction == 0
     continuous, outs = run("continuous", 64)     # request 3 takes request 1's slot at once
     assert [[c.request.request_id for c in out.scheduled] for out in outs][2] == ["2", "3"]
     assert continuous.slot_utilisation == pytest.approx(10 / 12)
+
+
+def test_static_policy_pads_prompts_and_finished_slots_until_the_batch_ends():
+    sched = make_sched(num_pages=64, max_num_seqs=2, max_num_batched_tokens=4, policy="static")
+    bm = sched.block_manager
+    engine = FakeEngine(sched, random.Random(5))
+    short, long_, late = make_req(1, range(5), max_tokens=2), make_req(2, range(12), max_tokens=5), \
+        make_req(3, range(3), max_tokens=2)
+    for r in (short, long_, late):
+        sched.add_request(r)
+    out = engine.step()
+    # Right-padded to the batch's longest prompt: 5 real + 7 pad tokens, on the request's own pages.
+    assert [(c.request.request_id, c.num_tokens, c.num_pad) for c in out.scheduled] == [("1", 5, 7), ("2", 12, 0)]
+    assert short.pad_end == 12 and len(short.block_ids) == 3 and out.num_batched_tokens == 24
+    pages_of_short = list(short.block_ids)
+    steps = [engine.step() for _ in range(3)]       # short finishes after its 2nd token, long after its 5th
+    assert short.status.finished and short.block_ids[:3] == pages_of_short     # a ghost keeps its pages
+    ghost_chunks = [c for out in steps for c in out.scheduled if c.request is short and c.num_tokens == 0]
+    assert [(c.start, c.num_pad) for c in ghost_chunks] == [(12, 1), (13, 1)]
+    sched.check_invariants()
+    assert not late.block_ids and late.status == RequestStatus.WAITING
+    while long_.status == RequestStatus.RUNNING:
+        engine.step()
+    assert short.block_ids == [] and long_.block_ids == []      # the batch ended: every page back
+    engine.run_to_end()
+    assert_pool_whole(bm)
+    # Real tokens 5 + 12 + 4 decodes of long + 1 of short + 3 + 1; pad 7 + 3 ghost steps.
+    assert sched.num_pad_tokens == 10 and sched.padding_fraction == pytest.approx(10 / (10 + sched.num_real_tokens))
+
+
+def test_static_batch_that_fits_only_unpadded_sends_its_last_member_back():
+    sched = make_sched(num_pages=5, page_size=4, max_num_seqs=2, max_model_len=20, policy="static")
+    engine = FakeEngine(sched, random.Random(7))
+    a, b = make_req(1, range(2), max_tokens=1), make_req(2, range(16), max_tokens=1)
+    for r in (b, a):
+        sched.add_request(r)
+    out = engine.step()
+    # b holds 4 pages; a padded to 16 would need 4 more of the 1 left: a waits for the next batch.
+    assert [c.request.request_id for c in out.scheduled] == ["2"] and out.preempted == [a]
+    engine.run_to_end()
+    assert a.status.finished and b.status.finished
+    assert_pool_whole(sched.block_manager)
 
 
 def test_abort_waiting_mid_prefill_and_mid_decode_frees_pages():
@@ -420,7 +473,8 @@ def test_add_request_twice_and_finish_unknown():
 
 
 # ------------------------------------------------------- randomized accounting
-@pytest.mark.parametrize("policy, caching", [("continuous", True), ("continuous", False), ("static", True)])
+@pytest.mark.parametrize("policy, caching", [("continuous", True), ("continuous", False), ("static", True),
+                                             ("static_unpadded", True)])
 def test_randomized_page_accounting(policy, caching):
     rng = random.Random(1234)
     page_size, budget, max_seqs = 4, 24, 6
@@ -444,7 +498,11 @@ def test_randomized_page_accounting(policy, caching):
             victim = rng.choice(list(sched.running) + list(sched.waiting))
             kind = ("waiting" if victim.status == RequestStatus.WAITING else
                     "prefill" if victim.num_computed_tokens < victim.num_prompt_tokens else "decode")
-            private = sum(bm.refcount(p) == 1 for p in victim.block_ids)
+            releasing = [victim]
+            if victim.status == RequestStatus.RUNNING and sched.num_running == 1:   # the static batch ends
+                releasing += sched.padding_requests
+            held = Counter(p for r in releasing for p in r.block_ids)
+            private = sum(bm.refcount(p) == k for p, k in held.items())
             free_before = bm.num_free_pages
             assert sched.abort_request(victim.request_id) is victim
             assert victim.block_ids == [] and bm.num_free_pages == free_before + private

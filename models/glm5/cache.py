@@ -16,9 +16,15 @@ tensor), S new tokens each. Prefill, chunked prefill and decode all use it:
   - sparse attention reads the latent pool in place: the chosen logical
     positions are translated to physical slot ids (FlashMLA's paged sparse
     decode does the same), so no per-step copy of the latent is made.
-Sequences shorter than the segment's longest read padding slots past their
-end; the ops' causal rule (key t visible to query s of sequence b iff
-t <= start[b] + s) masks them.
+Sequences shorter than the segment's longest read padding past their end;
+the ops' causal rule (key t visible to query s of sequence b iff
+t <= start[b] + s) masks it. Every such position reads the pool's null slot,
+zeros kept past the pages, never a real slot: a real slot past a sequence's
+end may hold anything (torch.empty's heap contents, or -inf / NaN left by
+earlier tensors), and a masked score is q.k + (-inf), NaN when q.k is, and a
+masked value's weight 0 times NaN is NaN too (dense attention reads every
+key of the segment; it made a busy batch's tokens depend on what the process
+had freed before).
 
 PagedCache is the simple owner: a batch that moves in lock step (one length),
 its pages taken from its own pool as it grows (generate(), profiling). The
@@ -45,9 +51,14 @@ class KVPool:
             raise ValueError(f"num_pages * page_size must be < 2^31 (int32 slot ids), got {num_pages} * {page_size}")
         self.config, self.num_pages, self.page_size = c, num_pages, page_size
         slots = num_pages * page_size
-        self.latent = torch.empty(self.num_layers(c), slots, c.latent_dim, dtype=dtype, device=device)
-        self.index_k = {i: torch.empty(slots, c.index_head_dim, dtype=dtype, device=device)
+        # One slot past the pages: the null slot padding reads (zeros: finite whatever is masked).
+        self.null_slot = slots
+        self.latent = torch.empty(self.num_layers(c), slots + 1, c.latent_dim, dtype=dtype, device=device)
+        self.latent[:, slots].zero_()
+        self.index_k = {i: torch.empty(slots + 1, c.index_head_dim, dtype=dtype, device=device)
                         for i in self.indexed_layers(c)}
+        for keys in self.index_k.values():
+            keys[slots].zero_()
 
     @staticmethod
     def num_layers(c: GLM5Config) -> int:
@@ -75,9 +86,10 @@ class CacheView:
         T = (start if isinstance(start, int) else int(start.max())) + S
         pos = torch.arange(T, device=block_table.device)
         pages = block_table[:, pos // ps]
-        # logical position -> physical slot [B, T], once per forward; padding reads slot 0 (masked)
-        self.every = torch.where(pages >= 0, pages * ps + pos % ps, 0)
         starts = torch.as_tensor(start, device=block_table.device).expand(B)[:, None]
+        # logical position -> physical slot [B, T], once per forward; past a sequence's end
+        # (masked) the null slot, whose zeros keep a masked score or value finite
+        self.every = torch.where((pages >= 0) & (pos < starts + S), pages * ps + pos % ps, pool.null_slot)
         self.new = self.every.gather(1, starts + torch.arange(S, device=block_table.device)).reshape(-1)
         # with a leading -1, the slot ids of a selection are lut[selection + 1] (one gather, -1 stays -1)
         self._lut = torch.cat([torch.full((B, 1), -1, dtype=torch.int32, device=block_table.device),
