@@ -55,6 +55,11 @@ _INT32_MAX = check.INT32_MAX
 # moe_dispatch's bound on num_experts (csrc/checks.h states it too): the kernels keep per-expert
 # counters and offsets [E+1], so one huge int must not allocate gigabytes (GLM-5 has 256 experts).
 MAX_EXPERTS = 1 << 20
+# moe_dispatch's bound on align: a block GEMM's row tile (GLM-5's kernels use 16..256). Each
+# expert with a token pads to a multiple of align, so align alone can ask for align rows from
+# one token (2^31 - 1 tried to allocate 16 GiB); bounded, x_sorted is at most MAX_ALIGN times x.
+# The raw op (csrc/checks.h) bounds align only by the int32 row count below.
+MAX_ALIGN = 1 << 12
 
 
 def _int(value, name: str, lo: int, hi: int = _INT32_MAX) -> int:
@@ -127,7 +132,7 @@ def moe_dispatch(x, ids, num_experts: int, *, align: int = 1):
     check.tensor(ids, "ids", f"[T={T},k]", rank=2, dtypes=check.INDEX_DTYPES)
     check.dim(ids, "ids", f"[T={T},k]", 0, T, "T")
     _int(num_experts, "num_experts", 1, MAX_EXPERTS)
-    _int(align, "align", 1)
+    _int(align, "align", 1, MAX_ALIGN)
     device = check.same_device(x=x, ids=ids)
     _ids_in_range(ids, num_experts, "ids", "expert ids")
     if T * ids.shape[1] + num_experts * (align - 1) > _INT32_MAX:

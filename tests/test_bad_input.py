@@ -275,6 +275,18 @@ def test_moe_dispatch_bounds_align_and_num_experts():
         glm5_ops.moe_dispatch(x, ids, 2**30)
 
 
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_moe_dispatch_bounds_align_by_max_align(backend):
+    """align=2^31-1 with one token fits int32 rows yet padded it to 2^31-1 rows:
+    the reference tried to allocate 16 GiB (fuzz seed 2, 100k cases)."""
+    x, ids = fresh(1, 1), torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    with glm5_ops.use_backend(backend):
+        with pytest.raises(ValueError, match=r"^align must be in \[1, 4096\], got 2147483647$"):
+            glm5_ops.moe_dispatch(x, ids, 1, align=2**31 - 1)
+        xs, plan = glm5_ops.moe_dispatch(x, ids, 1, align=glm5_ops.moe.MAX_ALIGN)
+    assert xs.shape == (4096, 1) and plan.expert_offsets.tolist() == [0, 4096]
+
+
 @pytest.mark.parametrize("shape", [["x", 32], (2.5, 32), (None,)])
 def test_dequantize_shape_must_hold_ints(shape):
     with pytest.raises(TypeError, match=r"^shape must be a sequence of ints, got"):

@@ -292,8 +292,15 @@ def test_cache_overflow_and_batch_mismatch_raise():
     cache = model.new_cache(1, 8)
     with pytest.raises(ValueError, match="cache full: .* input_ids must fit max_tokens=8, got 9 tokens"):
         model(torch.zeros(1, 9, dtype=torch.long), cache)
-    with pytest.raises(ValueError, match="holds batch 1"):
+    with pytest.raises(ValueError, match=r"^input_ids must have the batch this cache holds \(1: .*\), got batch 2$"):
         model(torch.zeros(2, 3, dtype=torch.long), cache)
+
+
+def _decode_step(model, prompt, step):
+    """A cache prefilled with a prompt of shape `prompt`, then one forward of input_ids of shape `step`."""
+    cache = model.new_cache(prompt[0], prompt[1] + step[1])
+    model.prefill(torch.zeros(prompt, dtype=torch.long), cache)
+    return model(torch.zeros(step, dtype=torch.long), cache)
 
 
 @pytest.mark.parametrize("call, exc, message", [
@@ -308,10 +315,24 @@ def test_cache_overflow_and_batch_mismatch_raise():
     (lambda m: m.prefill(torch.zeros(1, 4, dtype=torch.long), m.new_cache(1, 8), chunk="4"), TypeError,
      r"chunk must be an int, got str"),
     (lambda m: m.prefill(torch.zeros(4, dtype=torch.long), m.new_cache(1, 8)), ValueError,
-     r"input_ids must be an integer tensor \[B, S\], got torch.int64 \(4,\)"),
-    (lambda m: m([1, 2]), ValueError, r"input_ids must be an integer tensor \[B, S\], got list"),
+     r"input_ids must be an integer tensor \[B, S\] of dtype int32 or int64, got int64 \(4,\)"),
+    (lambda m: m([1, 2]), ValueError,
+     r"input_ids must be an integer tensor \[B, S\] of dtype int32 or int64, got list"),
     (lambda m: m(torch.zeros(1, 2, 3, dtype=torch.long)), ValueError, r"input_ids must be an integer tensor"),
     (lambda m: m(torch.zeros(1, 0, dtype=torch.long)), ValueError, r"input_ids must hold at least one token, got"),
+    # fuzz seed 2, 100k cases: a uint8 input_ids reached the embedding (RuntimeError); an empty prompt
+    # gave prefill no chunk (IndexError); a decode step of another batch than the cache's did not name input_ids
+    (lambda m: m(torch.zeros(1, 2, dtype=torch.uint8)), ValueError,
+     r"^input_ids must be an integer tensor \[B, S\] of dtype int32 or int64, got uint8 \(1, 2\)$"),
+    (lambda m: m.prefill(torch.zeros(1, 4, dtype=torch.int16), m.new_cache(1, 8)), ValueError,
+     r"^input_ids must be an integer tensor \[B, S\] of dtype int32 or int64, got int16"),
+    (lambda m: m.prefill(torch.zeros(1, 0, dtype=torch.long), m.new_cache(1, 8)), ValueError,
+     r"^input_ids must hold at least one token, got shape \(1, 0\)$"),
+    (lambda m: m.prefill(torch.zeros(1, 0, dtype=torch.long), None), ValueError, r"^input_ids must hold at least one"),
+    (lambda m: _decode_step(m, prompt=(5, 10), step=(2, 1)), ValueError,
+     r"^input_ids must have the batch this cache holds \(5: .*\), got batch 2$"),
+    (lambda m: m.mtp_logits(torch.zeros(2, 1, m.config.hidden_size), torch.zeros(2, 1, dtype=torch.long),
+                            m.new_cache(1, 8)), ValueError, r"^next_ids must have the batch this cache holds \(1"),
     (lambda m: m(torch.zeros(1, 4, dtype=torch.long), logits_to_keep=1.5), TypeError,
      r"logits_to_keep must be an int, got float"),
     (lambda m: m(torch.zeros(1, 4, dtype=torch.long), logits_to_keep=-1), ValueError,

@@ -150,13 +150,15 @@ class PagedCache:
         self.length = 0          # tokens of the main stream held
         self.mtp_length = 0      # tokens of the MTP stream held
 
-    def begin(self, B: int, S: int, *, mtp: bool = False) -> CacheView:
-        """The view a forward of S new tokens per sequence writes through."""
+    def begin(self, B: int, S: int, *, mtp: bool = False, name: str = "input_ids") -> CacheView:
+        """The view a forward of S new tokens per sequence writes through;
+        `name`: the caller's argument that holds those tokens, for the errors."""
         if B != self.batch:
-            raise ValueError(f"this cache holds batch {self.batch}, got input of batch {B}")
+            raise ValueError(f"{name} must have the batch this cache holds ({self.batch}: new_cache's batch, the "
+                             f"batch of what was prefilled into it), got batch {B}")
         start = self.mtp_length if mtp else self.length
         if start + S > self.max_tokens:
-            raise ValueError(f"cache full: the {start} tokens held plus the {S} of input_ids must fit max_tokens="
+            raise ValueError(f"cache full: the {start} tokens held plus the {S} of {name} must fit max_tokens="
                              f"{self.max_tokens}, got {start + S} tokens")
         self._allocate(start + S)
         return CacheView(self.pool, self.block_table, start, S)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm5_ops._checks import INT32_MAX, int_in_range
+from glm5_ops._checks import INDEX_DTYPES, INT32_MAX, dtype_name, int_in_range
 from glm5_ops.nvtx import nvtx_range
 
 from .cache import CacheView
@@ -263,12 +263,13 @@ class GLM5ForCausalLM(nn.Module):
     # -- forward ---------------------------------------------------------------
     @staticmethod
     def _check_ids_type(input_ids, name: str = "input_ids"):
-        """Rank and dtype, before anything unpacks the shape."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
-                or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise ValueError(f"{name} must be an integer tensor [B, S], got "
-                             f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                             f"{tuple(getattr(input_ids, 'shape', ()))}")
+        """Rank and dtype, before anything unpacks the shape: int32 or int64,
+        the index dtypes the embedding takes (uint8 and the like are refused
+        here, not by the embedding's RuntimeError)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in INDEX_DTYPES:
+            what = dtype_name(input_ids.dtype) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"{name} must be an integer tensor [B, S] of dtype int32 or int64, got "
+                             f"{what} {tuple(getattr(input_ids, 'shape', ()))}")
 
     def _check_ids(self, input_ids, start: int, name: str = "input_ids"):
         self._check_ids_type(input_ids, name)
@@ -340,7 +341,7 @@ class GLM5ForCausalLM(nn.Module):
         start = 0 if cache is None else cache.mtp_length
         self._check_ids(next_ids, start, "next_ids")
         B, S = next_ids.shape
-        view = None if cache is None else cache.begin(B, S, mtp=True)
+        view = None if cache is None else cache.begin(B, S, mtp=True, name="next_ids")
         positions = (start + torch.arange(S, device=next_ids.device))[None].expand(B, S)
         x = self._mtp_hidden(hidden, next_ids, positions, [Segment(B, S, start, view)], depth)
         if cache is not None:
@@ -379,7 +380,8 @@ class GLM5ForCausalLM(nn.Module):
         O(chunk), the same result as one call); returns the last position's
         logits [B,V] and the final hidden states of every position."""
         int_in_range(chunk, "chunk", 1, INT32_MAX)
-        self._check_ids_type(input_ids)
+        # the whole input up front (an empty one has no chunk to run; hidden_states checks each chunk too)
+        self._check_ids(input_ids, 0 if cache is None else cache.length)
         hiddens = []
         for s in range(0, input_ids.shape[1], chunk):
             hiddens.append(self.hidden_states(input_ids[:, s:s + chunk], cache))

@@ -37,7 +37,12 @@ def model(attn: str) -> GLM5ForCausalLM:
 
 
 def _cache(m, ids, max_tokens):
-    return None if max_tokens is None else m.new_cache(ids.shape[0] if hasattr(ids, "shape") else 1, max_tokens)
+    """The cache a caller would make for ids: of ids' batch, or of batch 1 when
+    ids has none to give (not a tensor, or a batch of 0). new_cache(0, ...) is
+    refused naming `batch` (tests/test_model.py): here the case broke ids, so
+    the model's own check of ids is what it must meet."""
+    B = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.dim() else 1
+    return None if max_tokens is None else m.new_cache(max(B, 1), max_tokens)
 
 
 def _run_model(entry: str, args, kw):
