@@ -61,7 +61,8 @@ def torchao_quantized(model, kind: str):
     nn.Linear outside DEFAULT_SKIP."""
     quantize_, configs = torchao_api()
     m = copy.deepcopy(model)
-    quantize_(m, configs[kind](), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and not skipped(fqn, DEFAULT_SKIP))
+    quantize_(m, configs[kind](),
+              filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and not skipped(fqn, DEFAULT_SKIP))
     return m
 
 

@@ -18,7 +18,8 @@ import math
 import os
 import time
 
-from .args import UsageError, add_quantization_arg, check_quantization, nonnegative_int, positive_float, positive_int, quantize_for
+from .args import (UsageError, add_quantization_arg, check_quantization, nonnegative_int, positive_float,
+                   positive_int, quantize_for)
 
 DEFAULT_PRESETS = ("tiny", "small")     # the full-size presets do not fit one machine's serving run
 

@@ -27,7 +27,8 @@ import torch
 from glm5_ops import nvtx
 
 from . import measure, plots, profile_report
-from .args import UsageError, add_quantization_arg, check_quantization, lengths, nonnegative_int, positive_int, quantize_for
+from .args import (UsageError, add_quantization_arg, check_quantization, lengths, nonnegative_int, positive_int,
+                   quantize_for)
 from .components import STEP_RANGE, breakdown
 from .flops import OpCounter
 

@@ -119,3 +119,19 @@ def test_bench_serve_offline_int8(tmp_path, capsys):
     data = json.loads((out / "result.json").read_text())
     assert data["completed"] == 3 and data["config"]["quantization"] == "w8a8"
     assert data["engine_stats"]["quantization"] == "w8a8"
+
+
+def test_serve_int8_answers():
+    httpx = pytest.importorskip("httpx")
+    from profiling.cli import build_parser
+    from profiling.serve_cmd import build_app, build_model
+    from server_helpers import running_server
+
+    args = build_parser().parse_args(["serve", "--preset", "tiny", "--kv-cache-memory", "16MiB", "--page-size", "16",
+                                      "--max-model-len", "128", "--quantization", "int8_weight_only"])
+    model = build_model(args)
+    assert model.quantization["mode"] == "int8_weight_only"
+    with running_server(build_app(args, model=model)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"model": "glm5-tiny", "prompt": "int8", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
