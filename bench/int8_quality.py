@@ -1,5 +1,6 @@
 """Held-out loss of a trained byte-level GLM-5 (the stdlib's .py sources), fp32
-against int8 weight-only and W8A8, with and without DEFAULT_SKIP.
+against int8 weight-only and W8A8, with and without DEFAULT_SKIP (torchao on the
+same model: bench/int8_torchao.py).
 
     python bench/int8_quality.py --steps 400 --out runs/int8_quality.json
 
@@ -39,17 +40,19 @@ def loss_of(model, rows) -> float:
     return total / (rows.shape[0] * (rows.shape[1] - 1))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p):
+    """The trained model's and held-out set's options (shared with bench/int8_torchao.py)."""
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--corpus-mib", type=float, default=8.0)
     p.add_argument("--eval-rows", type=int, default=64)
-    p.add_argument("--load", default=None)
+    p.add_argument("--load", default=None, help="a state dict this script saved: skips the training")
     p.add_argument("--save", default="runs/int8_quality/model.pt")
-    p.add_argument("--out", default=None)
-    a = p.parse_args(argv)
+
+
+def trained_model_and_rows(a):
+    """(the byte-level GLM-5, trained or loaded, fp32; held-out rows [eval_rows, seq+1] from other files)."""
     data = load_corpus(int(a.corpus_mib * 2**20))
     split = int(data.numel() * 0.95)
     train, val = data[:split], data[split:]
@@ -64,20 +67,21 @@ def main(argv=None):
         Path(a.save).parent.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), a.save)
     x, y = batch(val, a.eval_rows, a.seq, torch.Generator().manual_seed(123))
-    rows = torch.cat([x, y[:, -1:]], dim=1)
+    return model.eval(), torch.cat([x, y[:, -1:]], dim=1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    model, rows = trained_model_and_rows(a)
     res = {"fp32": loss_of(model, rows)}
     log(f"fp32 held-out loss {res['fp32']:.4f} nats/byte ({a.eval_rows} rows x {a.seq} bytes)")
     for mode in ("int8_weight_only", "w8a8"):
         for label, skip in (("default skip", None), ("skip=()", ())):
             m = quantize(copy.deepcopy(model), mode, skip)
             res[f"{mode}, {label}"] = loss_of(m, rows)
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-        m = copy.deepcopy(model)
-        quantize_(m, Int8WeightOnlyConfig())
-        res["torchao Int8WeightOnlyConfig (linears)"] = loss_of(m, rows)
-    except Exception as e:
-        log(f"torchao not usable ({type(e).__name__}: {e}); no torchao row")
     lines = ["| model | held-out loss (nats/byte) | vs fp32 |", "|---|---|---|"]
     for k, v in res.items():
         lines.append(f"| {k} | {v:.4f} | {100 * (v / res['fp32'] - 1):+.3f}% |")

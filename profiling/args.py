@@ -43,3 +43,31 @@ def lengths(text: str) -> list:
     if len(values) < 2 or any(v <= 0 for v in values) or values != sorted(set(values)):
         raise argparse.ArgumentTypeError(f"expected at least two increasing positive lengths, got {text!r}")
     return values
+
+
+def add_quantization_arg(p) -> None:
+    from models.glm5.quantization import MODES
+
+    p.add_argument("--quantization", choices=MODES,
+                   help="int8 weights with the key layers kept (models.glm5.quantize, DEFAULT_SKIP; docs/INT8.md); "
+                        "CPU only")
+
+
+def check_quantization(args, device) -> None:
+    """The int8 ops have CPU kernels only: another device is a usage error before
+    the model is built, not a NotImplementedError at its first forward."""
+    if getattr(args, "quantization", None) and device.type != "cpu":
+        raise UsageError(f"--quantization {args.quantization}: the int8 kernels run on the CPU only (no CUDA or "
+                         f"Triton kernel yet), got device {device.type}")
+
+
+def quantize_for(args, model, device):
+    """Applies --quantization to the built model (in place) and returns its mode
+    (None: float; a checkpoint saved quantised reports its own)."""
+    from models.glm5 import ensure_quantized
+
+    check_quantization(args, device)
+    try:
+        return ensure_quantized(model, args.quantization)
+    except ValueError as e:
+        raise UsageError(f"--quantization: {e}") from None

@@ -18,7 +18,8 @@ import math
 import os
 import time
 
-from .args import UsageError, nonnegative_int, positive_float, positive_int
+from .args import (UsageError, add_quantization_arg, check_quantization, nonnegative_int, positive_float,
+                   positive_int, quantize_for)
 
 DEFAULT_PRESETS = ("tiny", "small")     # the full-size presets do not fit one machine's serving run
 
@@ -74,6 +75,7 @@ def add_parser(subparsers):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on CUDA, float32 on CPU")
+    add_quantization_arg(p)
     g = p.add_argument_group("workload (vLLM's dataset flags; defaults scaled down for a CPU)")
     g.add_argument("--dataset", choices=DATASETS, default="random")
     g.add_argument("--num-prompts", type=positive_int, default=32)
@@ -125,6 +127,9 @@ def _check(args) -> None:
     if args.offline == bool(args.base_url):
         raise UsageError("bench-serve needs --offline (the engine in this process) or --base-url URL "
                          "(a running server), one of them")
+    if args.base_url and args.quantization:
+        raise UsageError("--quantization applies to --offline (the engine in this process); a server is quantised "
+                         "where it starts: glm5-lab serve --quantization ...")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.random_range_ratio and isinstance(args.random_input_len, tuple) and \
@@ -259,6 +264,7 @@ def run(args) -> int:
         raise UsageError(f"the longest request ({need} prompt + output tokens) exceeds the model's "
                          f"max_position_embeddings ({cfg.max_position_embeddings}); shorten the dataset's lengths")
     model_name = args.checkpoint or args.preset or "tiny"
+    check_quantization(args, device)
     profile_cmd._check_fits(cfg, device, dtype, model_name)
     try:
         from serving.engine import Engine
@@ -273,6 +279,7 @@ def run(args) -> int:
     else:
         model = GLM5ForCausalLM(cfg, attn=args.attn)
     model = model.to(device=device, dtype=dtype).eval()
+    quantization = quantize_for(args, model, device)
     try:
         engine = Engine(model, **engine_kwargs(args))
     except (ValueError, TypeError) as e:
@@ -284,8 +291,9 @@ def run(args) -> int:
     stem = os.path.basename(model_name.rstrip("/"))
     out = args.out or os.path.join("runs", f"bench-serve-{args.dataset}-{time.strftime('%Y%m%d-%H%M%S')}")
     config = {k: v for k, v in vars(args).items() if k not in ("parser",)}
-    config.update(model=stem, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                  title=f"{stem} {args.attn} {args.dataset}, {args.num_prompts} prompts at {args.request_rate} req/s")
+    config.update(model=stem, device=str(device), dtype=str(dtype).replace("torch.", ""), quantization=quantization,
+                  title=f"{stem} {args.attn} {args.dataset}" + (f" {quantization}" if quantization else "")
+                  + f", {args.num_prompts} prompts at {args.request_rate} req/s")
     bench_and_report(engine, requests, out_dir=out, config=config, request_rate=args.request_rate,
                      burstiness=args.burstiness, seed=args.seed, temperature=args.temperature,
                      metric_percentiles=args.metric_percentiles)

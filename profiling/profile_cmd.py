@@ -27,7 +27,8 @@ import torch
 from glm5_ops import nvtx
 
 from . import measure, plots, profile_report
-from .args import UsageError, lengths, nonnegative_int, positive_int
+from .args import (UsageError, add_quantization_arg, check_quantization, lengths, nonnegative_int, positive_int,
+                   quantize_for)
 from .components import STEP_RANGE, breakdown
 from .flops import OpCounter
 
@@ -59,6 +60,7 @@ def add_parser(subparsers):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--seed", type=int, default=0)
+    add_quantization_arg(p)
     p.set_defaults(parser=p)
     return p
 
@@ -110,8 +112,15 @@ def _model_factory(args, device, dtype):
             model = GLM5ForCausalLM.from_pretrained(args.checkpoint, **kwargs)
         else:
             model = GLM5ForCausalLM(_config(args), **kwargs)
-        return model.to(device=device, dtype=dtype)
+        model = model.to(device=device, dtype=dtype)
+        quantize_for(args, model, device)
+        return model
     return build
+
+
+def _is_weight(buffer_name: str) -> bool:
+    """An int8 module's weight or scale (models/glm5/quantization.py's buffer names)."""
+    return buffer_name.rsplit(".", 1)[-1] in ("qweight", "scale", "gate_up_q", "gate_up_scale", "down_q", "down_scale")
 
 
 def _recall_text(counter: OpCounter) -> str:
@@ -199,16 +208,25 @@ def run(args) -> int:
         if n > cfg.max_position_embeddings:
             raise UsageError(f"--seq/--sweep: {n} tokens exceed the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
+    check_quantization(args, device)
     _check_fits(cfg, device, dtype, model_name)
     stem = os.path.basename(model_name.rstrip("/"))
     out = args.out or os.path.join("runs", f"profile-{stem}-{args.mode}-{args.attn}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
     command = getattr(args, "command", "glm5-lab profile")
 
-    log(f"building {model_name} (attn={args.attn}, {'unfused' if args.unfused else 'fused'}) on {device}, {dtype}")
+    log(f"building {model_name} (attn={args.attn}, {'unfused' if args.unfused else 'fused'}) on {device}, {dtype}"
+        + (f", quantised {args.quantization}" if args.quantization else ""))
     model = build_model(args.attn)
-    params = sum(p.numel() for p in model.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    quantization = getattr(model, "quantization", None)
+    if quantization and args.mode == "train":
+        raise UsageError(f"--quantization/--checkpoint: the model is int8 ({quantization['mode']}) and the int8 "
+                         "ops are inference only (no backward); profile --mode prefill or decode")
+    # int8 weights are buffers (Int8Linear.qweight), so count them too when quantised
+    weights = list(model.parameters()) + ([b for n, b in model.named_buffers() if _is_weight(n)] if quantization
+                                          else [])
+    params = sum(p.numel() for p in weights)
+    param_bytes = sum(p.numel() * p.element_size() for p in weights)
     runner = measure.Runner(model, args.mode, batch=args.batch, seq=args.seq, vocab=cfg.vocab_size, device=device,
                             total_steps=args.warmup + args.steps + 1, seed=args.seed)
     tokens_per_step = runner.tokens_per_step
@@ -272,11 +290,13 @@ def run(args) -> int:
         del runner, model  # the sweep builds its own models
         sweep = _sweep(args, build_model, cfg.vocab_size, device, out, model_name, log)
 
-    title = f"{model_name} {args.mode} attn={args.attn} seq={args.seq} batch={args.batch}"
+    title = f"{model_name} {args.mode} attn={args.attn} seq={args.seq} batch={args.batch}" + (
+        f" {quantization['mode']}" if quantization else "")
     if loads:
         plots.expert_load(loads, maxvio, os.path.join(out, "expert_load.png"), f"expert load: {title}")
     device_info = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     result = dict(model_name=model_name, mode=args.mode, attn=args.attn, fused=not args.unfused, command=command,
+                  quantization=quantization and {"mode": quantization["mode"], "skip": quantization["skip"]},
                   device=str(device), device_info=device_info, dtype=str(dtype).replace("torch.", ""),
                   torch=torch.__version__, batch=args.batch, seq=args.seq, warmup=args.warmup,
                   nvtx_backend=nvtx.backend_name(), params=params, param_bytes=param_bytes,

@@ -92,6 +92,8 @@ def write(path: str, r: dict) -> None:
            f"- batch {r['batch']}, seq {r['seq']}, {r['warmup']} warm-up + {bd.steps} measured steps; "
            f"NVTX backend: {r['nvtx_backend']}",
            f"- parameters: {r['params'] / 1e6:.2f} M",
+           *([f"- quantisation: {r['quantization']['mode']}, int8 weights outside the skip list "
+              f"({', '.join(r['quantization']['skip']) or 'none'}); docs/INT8.md"] if r.get("quantization") else []),
            f"- mean step: {bd.step_us / 1e3:.3f} ms ({bd.clock}), "
            f"{r['tokens_per_step'] / (bd.step_us / 1e6):.1f} tokens/s "
            f"({r['tokens_per_step']} tokens per step); wall per step under the profiler: "
@@ -109,7 +111,8 @@ def write(path: str, r: dict) -> None:
            f"- peak during the measured steps: {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_what']}), "
            f"{(r['peak_bytes'] - r['resting_bytes']) / 2**20:.1f} MiB above the {r['resting_bytes'] / 2**20:.1f} MiB "
            "held before them (weights, the decode context, the runtime)",
-           f"- parameters: {r['param_bytes'] / 2**20:.1f} MiB", ""]
+           f"- parameters: {r['param_bytes'] / 2**20:.1f} MiB"
+           + (" (int8 weights and their scales included)" if r.get("quantization") else ""), ""]
     out += ["## Expert load", ""]
     if r["expert_load"]:
         out += [f"Tokens routed per expert in the counting step ({r['num_experts']} experts, top-{r['top_k']}); "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .args import UsageError, nonnegative_int, positive_int
+from .args import UsageError, add_quantization_arg, check_quantization, nonnegative_int, positive_int, quantize_for
 
 PRESETS = ("tiny", "small")
 
@@ -42,6 +42,7 @@ def add_parser(subparsers):
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--seed", type=int, default=0, help="the preset's random weights")
+    add_quantization_arg(p)
     e = p.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=positive_int, default=32)
     e.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
@@ -67,14 +68,18 @@ def build_model(args):
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = profile_cmd._config(args)
     name = args.checkpoint or args.preset or "tiny"
+    check_quantization(args, device)
     profile_cmd._check_fits(cfg, device, dtype, name)
-    print(f"[glm5-lab serve] building {name} (attn={args.attn}) on {device}, {dtype}", file=sys.stderr, flush=True)
+    print(f"[glm5-lab serve] building {name} (attn={args.attn}) on {device}, {dtype}"
+          + (f", quantised {args.quantization}" if args.quantization else ""), file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     if args.checkpoint:
         model = GLM5ForCausalLM.from_pretrained(args.checkpoint, attn=args.attn)
     else:
         model = GLM5ForCausalLM(cfg, attn=args.attn)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    quantize_for(args, model, device)
+    return model
 
 
 def build_app(args, model=None):

@@ -5,6 +5,7 @@
     while engine.has_unfinished_requests():
         for out in engine.step(): ...
     # or: engine.generate([ids, ids2], SamplingParams(...)) -> one RequestOutput per prompt, in order
+    Engine(model, quantization="int8_weight_only")   # or "w8a8": models.glm5.quantize(model) first, in place
 
 Each step: the scheduler (scheduler.py) picks chunks within the token budget,
 decodes first; packing.py packs them into one forward of the model over the
@@ -20,6 +21,7 @@ import time
 import torch
 
 from models.glm5.cache import KVPool
+from models.glm5.quantization import ensure_quantized
 
 from .block_manager import BlockManager
 from .memory import format_bytes, parse_bytes
@@ -37,7 +39,8 @@ class Engine:
                  kv_cache_memory="1GiB", num_pages: int | None = None, page_size: int = 64,
                  enable_prefix_caching: bool = False, policy: str = "continuous",
                  long_prefill_token_threshold: int = 0, max_model_len: int | None = None,
-                 speculative: bool = False, log=True):
+                 speculative: bool = False, quantization: str | None = None, log=True):
+        self.quantization = ensure_quantized(model, quantization)
         self.model, self.config = model, model.config
         p = next(model.parameters())
         self.device = p.device
@@ -252,7 +255,8 @@ class Engine:
                 "kv_cache_usage": bm.usage, "num_preemptions": self.num_preemptions,
                 "num_running": sched.num_running, "num_waiting": sched.num_waiting,
                 "generated_tokens": self.num_generated_tokens, "steps": self.num_steps,
-                "pool_tokens": self.max_tokens_in_pool, **(self.drafter.stats() if self.drafter else {})}
+                "pool_tokens": self.max_tokens_in_pool, **(self.drafter.stats() if self.drafter else {}),
+                **({"quantization": self.quantization} if self.quantization else {})}
 
 
 class Progress:

@@ -8,6 +8,6 @@ from .attention_modes import ATTENTION_MODES, AttentionMode, register_attention_
 
 __all__ += ["GLM5ForCausalLM", "count_parameters", "PagedCache", "ATTENTION_MODES", "AttentionMode",
             "register_attention_mode"]
-from .quantization import DEFAULT_SKIP, quantize, quantize_model, save_quantized  # noqa: E402
+from .quantization import DEFAULT_SKIP, ensure_quantized, quantize, quantize_model, save_quantized  # noqa: E402
 
-__all__ += ["quantize", "quantize_model", "save_quantized", "DEFAULT_SKIP"]
+__all__ += ["quantize", "quantize_model", "ensure_quantized", "save_quantized", "DEFAULT_SKIP"]

@@ -191,6 +191,25 @@ def quantize(model: nn.Module, mode: str = "int8_weight_only", skip=None) -> nn.
     return model
 
 
+def ensure_quantized(model: nn.Module, mode) -> str | None:
+    """What the CLI and the serving engine call: quantises model in place with
+    DEFAULT_SKIP when `mode` is given and the model is still float; returns the
+    model's mode afterwards (None: float). A model already quantised (say, loaded
+    from save_quantized's checkpoint) keeps its int8 weights: the same mode is a
+    no-op, another one an error (its float weights are gone)."""
+    have = (getattr(model, "quantization", None) or {}).get("mode")
+    if mode is None:
+        return have
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"quantization must be None or one of {MODES}, got {mode!r}")
+    if have is not None and have != mode:
+        raise ValueError(f"quantization={mode!r}: the model is already quantised as {have!r} (its float weights "
+                         "are gone); build it again from float weights")
+    if have is None:
+        quantize(model, mode)
+    return mode
+
+
 def quantize_model(model: nn.Module, mode: str = "int8_weight_only", skip=None) -> nn.Module:
     """The same as quantize (the name the lab's issue used)."""
     return quantize(model, mode, skip)

@@ -65,6 +65,8 @@ def _tensor_mutation(draw, arg: ops.Arg):
     options = ["rank", "dtype", "type", "layout"] + (["size"] if t["shape"] else [])
     if arg.kind == "float_t":
         options += ["values", "values"]
+    elif arg.kind == "int8_t":        # int8 weights: every value is valid, -128 the one quantize_int8 never makes
+        options += ["values"]
     else:
         options += ["oob", "oob", "negative"]
     how = draw(st.sampled_from(options))
@@ -81,6 +83,8 @@ def _tensor_mutation(draw, arg: ops.Arg):
         return how, draw(st.sampled_from([{"list": [1.0, 2.0]}, 3, "tensor", None]))
     elif how == "layout":
         t["layout"] = draw(st.sampled_from(["noncontig", "transposed", "expanded"]))
+    elif how == "values" and arg.kind == "int8_t":
+        t["fill"] = "randint:-128:-127"
     elif how == "values":
         t["fill"] = draw(st.sampled_from(["nan", "inf", "huge", "zeros"]))
     elif how == "oob":
@@ -108,6 +112,7 @@ def _q_start_mutation(draw, arg: ops.Arg):
 def _scalar_mutation(draw, arg: ops.Arg):
     table = {"int": ("bad_int", BAD_INTS), "float": ("bad_float", BAD_FLOATS), "bool": ("bad_bool", BAD_BOOLS),
              "str": ("bad_str", BAD_STRS),
+             "none": ("type", [3, "x", {"list": [1.0, 2.0]}]),      # an optional tensor left out
              "shape": ("bad_shape", [[-1], [], [2, -3], "x", [1.5], [2**40]]),
              "dtype": ("dtype", [{"dtype": "int32"}, {"dtype": "float64"}, "float32", None])}
     how, values = table[arg.kind]
@@ -130,7 +135,7 @@ def mutate(draw, args: list):
             name = part.name
         arg.value = {"tuple": parts}
         return name, how
-    if arg.kind in ("float_t", "index_t"):
+    if arg.kind in ("float_t", "index_t", "int8_t"):
         how, arg.value = _tensor_mutation(draw, arg)
     elif arg.kind == "q_start":
         how, arg.value = _q_start_mutation(draw, arg)

@@ -27,7 +27,7 @@ LAYOUTS = ("contig", "contig", "contig", "noncontig", "transposed", "expanded")
 class Arg:
     name: str          # as spelled in the signature: what an error message must name
     value: object      # JSON spec (spec.py)
-    kind: str          # float_t | index_t | int | float | bool | str | q_start | shape | dtype | mask
+    kind: str          # float_t | index_t | int8_t | none | int | float | bool | str | q_start | shape | dtype | mask
     kw: bool = False   # passed by keyword
     bound: int = 0     # index_t: exclusive upper bound of valid entries
     extra: dict = field(default_factory=dict)
@@ -247,6 +247,42 @@ def gemv(draw, d: Dims, raw: bool):
     return [_ft(draw, "x", [M, K], dt), _ft(draw, "w", [N, K], dt), _ft(draw, "bias", [N], dt)]
 
 
+# --------------------------------------------------------------------- INT8 --
+
+def _i8(draw, name, shape) -> Arg:
+    """An int8 weight as quantize_int8 makes them: values in [-127, 127]."""
+    return Arg(name, tensor(shape, "int8", "randint:-127:128", _layout(draw)), "int8_t")
+
+
+def quantize_int8(draw, d: Dims, raw: bool):
+    lead = [d(0, 4, ()) for _ in range(draw(st.integers(0, 2)))]
+    return [_ft(draw, "x", lead + [d(0, 40, (65, 129))], draw(st.sampled_from(FLOATS)))]
+
+
+def int8_linear(draw, d: Dims, raw: bool):
+    """x [..., K] (raw: [M, K]; M past W8A8_MIN_ROWS = 16 reaches the GEMM paths), w int8 [N, K],
+    scale fp32 [N], bias [N] or None."""
+    lead = [d(0, 20, (17, 33))] if raw else [d(0, 4, (17, 33)) for _ in range(draw(st.integers(0, 2)))]
+    K, N = d(0, 40, (65,)), d(0, 40, (65,))
+    dt = draw(st.sampled_from(FLOATS))
+    bias = Arg("bias", None, "none")
+    if draw(st.booleans()):
+        bias = _ft(draw, "bias", [N], draw(st.sampled_from([dt, dt, "float32"])))
+    return [_ft(draw, "x", lead + [K], dt), _i8(draw, "w", [N, K]), _ft(draw, "scale", [N], "float32"), bias]
+
+
+def fused_moe_int8(draw, d: Dims, raw: bool):
+    """T up to 33 rows, so with w8a8 an expert can get more than W8A8_MIN_ROWS rows (int8 GEMMs)."""
+    T, D, I, E, k = d(0, 9, (17, 33)), d(0, 9), d(0, 9), d(1, 5, ()), d(0, 3, ())
+    dt = draw(st.sampled_from(FLOATS))
+    ids = _it(draw, "ids", [T, k], f"randint:0:{E}", E, ("int32",) if raw else ("int32", "int64"))
+    return [_ft(draw, "x", [T, D], dt), _i8(draw, "w_gate_up", [E, 2 * I, D]),
+            _ft(draw, "gate_up_scale", [E, 2 * I], "float32"), _i8(draw, "w_down", [E, D, I]),
+            _ft(draw, "down_scale", [E, D], "float32"),
+            _ft(draw, "weights", [T, k], draw(st.sampled_from(MOE_FLOATS))), ids,
+            Arg("w8a8", draw(st.booleans()), "bool", not raw)]
+
+
 def _fix(builder, **bound):
     return lambda draw, d, raw: builder(draw, d, raw, **bound)
 
@@ -266,6 +302,10 @@ PUBLIC = {
     "quantize_groupwise": (quantize_groupwise, ("cpp", "reference", "triton")),
     "dequantize": (dequantize, ("cpp", "reference", "triton")),
     "gemv": (gemv, ("cpp", "reference")),
+    "quantize_int8": (quantize_int8, ("cpp", "reference")),
+    "int8_linear": (int8_linear, ("cpp", "reference")),
+    "w8a8_linear": (int8_linear, ("cpp", "reference")),
+    "fused_moe_int8": (fused_moe_int8, ("cpp", "reference")),
 }
 # The differentiable ops, run forward then backward through autograd.
 BACKWARD = ("sparse_attention", "block_sparse_attention", "fused_moe")
@@ -287,4 +327,8 @@ RAW = {
     "quantize_groupwise": quantize_groupwise,
     "dequantize": dequantize,
     "gemv": gemv,
+    "int8_quantize_rows": quantize_int8,
+    "int8_linear": int8_linear,
+    "w8a8_linear": int8_linear,
+    "fused_moe_int8": fused_moe_int8,
 }

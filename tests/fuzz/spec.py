@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 # Names only: the case generator runs without torch (it is imported by the workers).
-DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "bool")
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "int8", "uint8", "bool")
 
 
 def tensor(shape, dtype="float32", fill="randn", layout="contig") -> dict:

@@ -130,6 +130,18 @@ def invalid(case: dict, result) -> str | None:
         num, idx = result[0], result[1]
         Kb = -(-args[1].shape[1] // (result[2] if len(result) > 2 else args[2]))
         return _in_range(idx, 0, max(Kb, 1), "kv_indices") or _in_range(num, 0, idx.shape[-1] + 1, "kv_num_blocks")
+    if op in ("quantize_int8", "int8_quantize_rows"):
+        q, scale = result
+        if args[0].is_floating_point() and bool(torch.isfinite(args[0]).all()):
+            bad = scale.numel() and not bool((torch.isfinite(scale) & (scale >= 0)).all())
+            return _in_range(q, -127, 128, "int8 codes") or ("scales not finite and >= 0 for finite x" if bad else None)
+        return None
+    if op in ("int8_linear", "w8a8_linear", "fused_moe_int8"):
+        # fp32 x: nothing a finite input does can overflow fp32 at fuzz sizes
+        if _finite_inputs(case) and args[0].dtype == torch.float32 and result.numel() \
+                and not bool(torch.isfinite(result).all()):
+            return f"{op} output has NaN/inf for finite inputs"
+        return None
     if op in ("sparse_attention", "sparse_attention_fwd", "block_sparse_attention", "block_sparse_attention_fwd"):
         out = result[0]
         if _finite_inputs(case) and out.numel() and not bool(torch.isfinite(out).all()):
