@@ -254,10 +254,10 @@ inline void check_dispatch_args(const at::Tensor& x, const at::Tensor& ids, int6
   // The counters and offsets [E+1] are sized by num_experts (glm5_ops/moe.py's MAX_EXPERTS).
   TORCH_CHECK_VALUE(num_experts >= 1 && num_experts <= (int64_t(1) << 20), "num_experts must be in [1, 2^20], got ",
                     num_experts);
-  // One bound for align and num_experts, as the Python wrapper states it: the padded sorted rows
-  // (at most T*k + E*(align-1)) must fit int32 offsets, so a huge align cannot allocate and
-  // zero-fill billions of rows.
-  TORCH_CHECK_VALUE(align >= 1 && align < (int64_t(1) << 31), "align must be in [1, 2^31), got ", align);
+  // The bounds the Python wrapper states (glm5_ops/moe.py MAX_ALIGN): align pads each expert's rows,
+  // so one token with a huge align would allocate and zero-fill billions of rows; and the padded
+  // sorted rows (at most T*k + E*(align-1)) must fit int32 offsets.
+  TORCH_CHECK_VALUE(align >= 1 && align <= 4096, "align must be in [1, 4096], got ", align);
   TORCH_CHECK_VALUE(T * ids.size(1) + num_experts * (align - 1) < (int64_t(1) << 31),
                     "ids, num_experts and align must give T*k + num_experts*(align-1) sorted rows that fit int32, got "
                     "T=", T, ", k=", ids.size(1), ", num_experts=", num_experts, ", align=", align);

@@ -23,6 +23,8 @@ models/glm5/quantization.py applies these to a model.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _checks as check
@@ -70,7 +72,8 @@ def _linear_args(x, w, scale, bias):
         check.tensor(bias, "bias", f"[N={N}]", rank=1)
         check.dim(bias, "bias", f"[N={N}]", 0, N, "N")
     device = check.same_device(x=x, w=w, scale=scale, bias=bias)
-    x2 = x.reshape(-1, K).contiguous()
+    # An explicit row count: reshape(-1, K) cannot infer the rows when K = 0.
+    x2 = x.reshape(math.prod(x.shape[:-1]), K).contiguous()
     return x2, w.contiguous(), scale.contiguous(), None if bias is None else bias.contiguous(), device
 
 

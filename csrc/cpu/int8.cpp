@@ -204,7 +204,8 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   TORCH_CHECK_VALUE(w_down_in.sizes() == at::IntArrayRef({E, D, I}), "w_down must have shape [E,D,I]=[", E, ",", D,
                     ",", I, "], got ", w_down_in.sizes());
   TORCH_CHECK_TYPE(gu_scale_in.scalar_type() == at::kFloat && down_scale_in.scalar_type() == at::kFloat,
-                   "gate_up_scale and down_scale must be fp32");
+                   "gate_up_scale and down_scale must be fp32, got ", gu_scale_in.scalar_type(), " and ",
+                   down_scale_in.scalar_type());
   TORCH_CHECK_VALUE(gu_scale_in.sizes() == at::IntArrayRef({E, I2}), "gate_up_scale must have shape [E,2I], got ",
                     gu_scale_in.sizes());
   TORCH_CHECK_VALUE(down_scale_in.sizes() == at::IntArrayRef({E, D}), "down_scale must have shape [E,D], got ",

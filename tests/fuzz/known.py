@@ -53,13 +53,6 @@ def perturbed(name: str, pattern: str = ""):
 # Issue 20's int8 ops (found when they joined the table; their files belong to another
 # branch, so each is reported there rather than fixed here):
 KNOWN: list[Known] = [
-    Known("message", r"glm5_ops\.(int8_linear|w8a8_linear)",
-          says(r"^cannot reshape tensor of 0 elements", "RuntimeError"),
-          "int8_linear/w8a8_linear with K = 0 (x [..., 0], w [N, 0]): glm5_ops/int8.py _linear_args's "
-          "x.reshape(-1, K) raises RuntimeError; rows = prod(x.shape[:-1]) would run it (y = bias or zeros)"),
-    Known("message", r"torch\.ops\.glm5\.fused_moe_int8", says(r"^gate_up_scale and down_scale must be fp32$"),
-          "raw fused_moe_int8 with non-fp32 scales: csrc/cpu/int8.cpp's check says neither which dtype came "
-          "(no 'got ...')"),
 ]
 
 
