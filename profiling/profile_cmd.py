@@ -291,8 +291,9 @@ def run(args) -> int:
     plots.component_bars(rows, bd.clock, os.path.join(out, "components.png"), title)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump({**{k: v for k, v in result.items() if k != "breakdown"}, "components": rows,
-                   "step_ms": bd.step_us / 1e3, "clock": bd.clock}, f, indent=1)
+                   "step_ms": bd.step_us / 1e3, "clock": bd.clock,
+                   "outside_ops_ms": None if bd.outside_ops_us is None else bd.outside_ops_us / 1e3}, f, indent=1)
     print(profile_report.component_table(rows, train=args.mode == "train"))
-    print(profile_report.bound_sentence(rows, bd.step_us, read_gbs))
+    print(profile_report.bound_sentence(rows, bd.step_us, read_gbs, bd.outside_ops_us))
     log(f"report -> {os.path.join(out, 'report.md')} (plots and trace.json beside it)")
     return 0

@@ -78,9 +78,10 @@ def component_table(rows, *, train: bool) -> str:
     return "\n".join(lines)
 
 
-def bound_sentence(rows, step_us: float, read_gbs: float) -> str:
+def bound_sentence(rows, step_us: float, read_gbs: float, outside_ops_us: float | None = None) -> str:
     """The step against its memory bound (the bytes column at the measured read
-    bandwidth) and the time outside every component (framework overhead)."""
+    bandwidth) and the framework overhead: time outside every component range and,
+    on the CPU, time between operator calls."""
     total = sum(r["bytes"] for r in rows)
     bound_ms = total / (read_gbs * 1e9) * 1e3
     step_ms = step_us / 1e3
@@ -91,6 +92,9 @@ def bound_sentence(rows, step_us: float, read_gbs: float) -> str:
     if other is not None:
         text += (f" Framework overhead (step time outside every component range): {other['ms']:.2f} ms, "
                  f"{other['share']:.1%}.")
+    if outside_ops_us is not None and step_us > 0:
+        text += (f" Time outside every operator call (Python, module calls, dispatch around the ops): "
+                 f"{outside_ops_us / 1e3:.2f} ms, {outside_ops_us / step_us:.1%}.")
     return text
 
 
@@ -122,7 +126,7 @@ def write(path: str, r: dict) -> None:
            "an op that reads part of a tensor counts that part (a fused MoE the chosen experts' weights, "
            "sparse attention the selected cache rows, an embedding the gathered rows: profiling/flops.py).", "",
            component_table(rows, train=train), "",
-           bound_sentence(rows, bd.step_us, r["read_gbs"]), "",
+           bound_sentence(rows, bd.step_us, r["read_gbs"], bd.outside_ops_us), "",
            "![component breakdown](components.png)", "",
            "## Memory", "",
            f"- peak during the measured steps: {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_what']}), "

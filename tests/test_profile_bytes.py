@@ -59,12 +59,31 @@ def test_sparse_attention_counts_the_selected_rows(counter):
     assert charged[0] < pool.numel() * F32 / 4                # far from the whole cache
 
 
+def test_breakdown_time_outside_operators():
+    """A step of 100 us: a component range holding two ops (30 + 20 us, one nesting
+    another op), the rest Python: 50 us outside every operator call."""
+    class Ev:
+        def __init__(self, name, start, end, children=()):
+            self.name, self.cpu_children = name, list(children)
+            self.time_range = type("R", (), {"start": start, "end": end})()
+            self.sequence_nr, self.thread, self.self_device_time_total = -1, 0, 0
+    inner = Ev("aten::addmm", 12, 18)
+    step = Ev("glm5-lab/step0", 0, 100, [Ev("layer0/attn/proj", 5, 60, [Ev("aten::linear", 10, 40, [inner]),
+                                                                       Ev("glm5::sparse_attention_fwd", 40, 60)])])
+    from profiling.components import breakdown
+    bd = breakdown([step])
+    assert bd.step_us == 100 and bd.ops_us == 50 and bd.outside_ops_us == 50
+
+
 def test_bound_sentence_and_read_bandwidth():
     rows = [dict(component="experts", bytes=2e9, ms=30.0, share=0.75),
             dict(component="other", bytes=0, ms=10.0, share=0.25)]
     text = profile_report.bound_sentence(rows, step_us=40_000, read_gbs=50.0)
     assert "2.00 GB per step" in text and "= 40.00 ms" in text and "1.0x the bound" in text
     assert "Framework overhead (step time outside every component range): 10.00 ms, 25.0%" in text
+    assert "outside every operator call" not in text
+    text = profile_report.bound_sentence(rows, step_us=40_000, read_gbs=50.0, outside_ops_us=6_000)
+    assert "Time outside every operator call (Python, module calls, dispatch around the ops): 6.00 ms, 15.0%" in text
     assert 0.1 < measure.read_bandwidth_gbs("cpu", mib=8, repeat=2) < 10_000
     with pytest.raises(ValueError, match="mib"):
         measure.read_bandwidth_gbs("cpu", mib=0)
