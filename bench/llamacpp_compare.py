@@ -8,7 +8,12 @@ three engines. Exits 2 with the reason when llama.cpp cannot be built here.
 
     python bench/llamacpp_compare.py agreement                    # tiny-sized, ~1 min
     python bench/llamacpp_compare.py agreement --preset small --index-topk 256 --lengths 200,700
-    python bench/llamacpp_compare.py speed --prefill 512,4096 --depths 16,4096
+    python bench/llamacpp_compare.py prepare                      # checkpoint + F32/Q8_0 GGUFs, once
+    python bench/llamacpp_compare.py speed --prefill 512 --depths 0   # fp32 vs F32 and int8 vs Q8_0
+    python bench/llamacpp_report.py                               # table into RESULTS.md, plot
+
+Speed runs are split one command per size (bench/RESULTS.md lists them) so that each
+stays short enough to run on a quiet machine; every ratio comes from one run.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -110,58 +116,37 @@ def run_agreement(lc, args) -> list[dict]:
     return rows
 
 
-def llama_bench(lc, gguf: str, threads: int, prefill: list[int], depths: list[int], tg: int, reps: int) -> list[dict]:
-    """llama-bench's JSON records: pp{n} for each prefill size, tg{tg} @ d{depth} for each depth."""
-    runs = []
-    if prefill:
-        runs.append(["-p", ",".join(map(str, prefill)), "-n", "0"])
-    if depths:
-        runs.append(["-p", "0", "-n", str(tg), "-d", ",".join(map(str, depths))])
-    records = []
-    for extra in runs:
-        # Same priority as our children (which inherit this process's): no extra nice.
-        cmd = [lc.bench_bin, "-m", gguf, "-t", str(threads), "-r", str(reps), "-o", "json", *extra]
-        print(f"[compare] {' '.join(cmd)}", flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                              env={**os.environ, "LD_LIBRARY_PATH": lc.lib_dir})
-        if proc.returncode != 0:
-            raise LlamaCppUnavailable(f"llama-bench failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-        records += json.loads(proc.stdout)
-    return records
-
-
-def run_speed(lc, args) -> list[dict]:
-    from model_vs_transformers import run_child
+def _speed_models(lc, args) -> dict:
+    from llamacpp.speed import prepared_models
     config = _config(args.preset, args.index_topk)
-    rows = []
-    with tempfile.TemporaryDirectory() as work:
-        ckpt, gguf = _prepare(lc, config, work)
-        os.sync()
-        for r in llama_bench(lc, gguf, args.threads, args.prefill, args.depths, args.decode_steps, args.reps):
-            kind = "prefill" if r["n_gen"] == 0 else "decode"
-            n = r["n_prompt"] if kind == "prefill" else r["n_depth"]
-            rows.append({"engine": "llama.cpp", "task": kind, "n": n, "tok_s": r["avg_ts"]})
-            print(f"[compare]   {rows[-1]}", flush=True)
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)      # the children's torch threads
-        for task, sizes in (("prefill", args.prefill), ("decode", args.depths)):
-            for n in sizes:
-                print(f"[compare] ours {task} n={n} ...", flush=True)
-                steps = args.decode_steps if task == "decode" else 0
-                r = run_child("ours", task, ckpt, max(n, 1), steps, args.chunk)
-                if "error" in r:
-                    raise RuntimeError(f"ours {task} {n}: {r['error']}")
-                tok_s = r["decode_tok_s"] if task == "decode" else n / r["prefill_s"]
-                rows.append({"engine": "ours", "task": task, "n": n, "tok_s": tok_s})
-                print(f"[compare]   {rows[-1]}", flush=True)
-    print(f"\n| {args.threads} threads | ours fp32 tok/s | llama.cpp F32 tok/s | ours / llama.cpp |\n|---|---|---|---|")
-    for task, sizes in (("prefill", args.prefill), ("decode", args.depths)):
-        for n in sizes:
-            o = next(r for r in rows if r["engine"] == "ours" and r["task"] == task and r["n"] == n)
-            l = next((r for r in rows if r["engine"] == "llama.cpp" and r["task"] == task and r["n"] == n), None)
-            label = f"prefill {n} tokens" if task == "prefill" else f"decode at depth {n}"
-            ratio = f"{o['tok_s'] / l['tok_s']:.2f}x" if l else "-"
-            print(f"| {label} | {o['tok_s']:.1f} | {round(l['tok_s'], 1) if l else '-'} | {ratio} |")
-    return rows
+    name = f"{args.preset}-topk{config.index_topk}-seed0"
+    return prepared_models(lc, config, name, args.precision)
+
+
+def run_speed(lc, args) -> dict:
+    """Measures, prints the table, and returns the run's record (rows plus what ran where)."""
+    from llamacpp.speed import run_speed as measure_speed
+    from llamacpp_report import speed_table
+    models = _speed_models(lc, args)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    rows = measure_speed(lc, models, precisions=args.precision, prefill=args.prefill, depths=args.depths,
+                         threads=args.threads, steps=args.decode_steps, chunk=args.chunk, engines=args.engine)
+    record = {"started": started, "command": " ".join(["python", "bench/llamacpp_compare.py", *sys.argv[1:]]),
+              "preset": args.preset, "threads": args.threads, "torch": torch.__version__,
+              "cpu": _cpu_name(), "rows": rows}
+    try:
+        print("\n" + speed_table(rows))
+    except Exception as e:      # the rows are measured: a table bug must not lose them (main writes them next)
+        print(f"[compare] could not print the table ({type(e).__name__}: {e}); the rows are in the JSON", flush=True)
+    return record
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 def _ints(text: str) -> list[int]:
@@ -171,38 +156,66 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _precisions(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in ("fp32", "int8")]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list of fp32, int8; got {text!r}")
+    return values
+
+
+def _engines(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("llama.cpp", "ours") for v in values):
+        raise argparse.ArgumentTypeError(f"expected llama.cpp, ours or llama.cpp,ours; got {text!r}")
+    return values
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("agreement", "speed", "build"))
+    ap.add_argument("what", choices=("agreement", "speed", "prepare", "build"),
+                    help="prepare: build llama.cpp and write the speed checkpoint and GGUFs (untimed, once)")
     ap.add_argument("--preset", default=None, help="tiny (agreement default) or small (speed default)")
     ap.add_argument("--index-topk", type=int, help="override the preset's index_topk (a config value, not a weight)")
     ap.add_argument("--lengths", type=_ints, default=[12, 40], help="agreement prompt lengths (tiny: index_topk 16)")
-    ap.add_argument("--prefill", type=_ints, default=[512, 4096])
-    ap.add_argument("--depths", type=_ints, default=[16, 4096])
-    ap.add_argument("--decode-steps", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=1, help="llama-bench repetitions")
+    ap.add_argument("--prefill", type=_ints, default=[512], help="speed: prefill sizes (llama-bench pp)")
+    ap.add_argument("--depths", type=_ints, default=[0], help="speed: decode depths (llama-bench tg @ d)")
+    ap.add_argument("--precision", type=_precisions, default=["fp32", "int8"],
+                    help="speed: fp32 (against llama.cpp F32) and/or int8 (weight-only, against Q8_0)")
+    ap.add_argument("--engine", type=_engines, default=["llama.cpp", "ours"],
+                    help="speed: llama.cpp,ours (default: both, back to back) or one of them, for a size where "
+                         "one engine alone fills a quiet run")
+    ap.add_argument("--decode-steps", type=int, default=128, help="speed: tokens per decode run (tg128)")
     ap.add_argument("--chunk", type=int, default=2048, help="our prefill chunk")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flash-attn", type=int, default=0, choices=(-1, 0, 1), help="llama.cpp logits (agreement)")
     ap.add_argument("--llamacpp-home", help="work folder for llama.cpp's source and build (default: "
                     "$GLM5_LLAMACPP_HOME or ~/.cache/glm5-lab/llamacpp)")
-    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--json", help="write the results here (speed default: runs/llamacpp-speed/<time>.json)")
     args = ap.parse_args(argv)
-    if args.threads < 1:
-        ap.error(f"--threads must be >= 1, got {args.threads}")
+    for name in ("threads", "decode_steps", "chunk"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.preset = args.preset or ("tiny" if args.what == "agreement" else "small")
     try:
         lc = build(args.llamacpp_home)
         if args.what == "build":
             return 0
+        if args.what == "prepare":
+            print(f"[compare] prepared: {_speed_models(lc, args)}", flush=True)
+            return 0
         torch.set_num_threads(args.threads)
-        rows = run_agreement(lc, args) if args.what == "agreement" else run_speed(lc, args)
+        result = run_agreement(lc, args) if args.what == "agreement" else run_speed(lc, args)
     except LlamaCppUnavailable as e:
         print(f"[compare] llama.cpp unavailable: {e}", file=sys.stderr, flush=True)
         return 2
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    path = args.json or (os.path.join(ROOT, "runs", "llamacpp-speed", time.strftime("%Y%m%d-%H%M%S") + ".json")
+                         if args.what == "speed" else None)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"[compare] results -> {path}", flush=True)
     return 0
 
 

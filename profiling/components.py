@@ -75,6 +75,12 @@ class Breakdown:
     backward_us: dict = field(default_factory=dict)
     range_counts: dict = field(default_factory=dict)  # component -> ranges seen per step
     clock: str = "cpu wall"
+    ops_us: float | None = None                      # CPU: time inside operator calls (aten::, glm5::)
+
+    @property
+    def outside_ops_us(self) -> float | None:
+        """Step time between operator calls: Python, module calls, the framework (CPU only)."""
+        return None if self.ops_us is None else self.step_us - self.ops_us
 
     def total_us(self, comp: str) -> float:
         return self.forward_us.get(comp, 0.0) + self.backward_us.get(comp, 0.0)
@@ -111,13 +117,17 @@ def breakdown(events, *, device_time: bool = False) -> Breakdown:
                         roots[id(s)].append(e)
                         break
     fwd, bwd, counts = defaultdict(float), defaultdict(float), defaultdict(int)
+    ops = 0.0   # outermost operator events only: an op's nested ops are inside its time
     fwd_component = {}  # (forward thread, sequence nr) -> component of the forward op
     total = 0.0
     for s in steps:
         for root in sorted(roots[id(s)], key=lambda e: e.time_range.start):
-            stack = [(root, OTHER, False)]
+            stack = [(root, OTHER, False, False)]
             while stack:
-                e, comp, backward = stack.pop()
+                e, comp, backward, in_op = stack.pop()
+                if not in_op and _is_operator(e.name):
+                    ops += _duration(e)
+                    in_op = True
                 own = component_of(e.name)
                 if own is not None:
                     comp = own
@@ -136,9 +146,15 @@ def breakdown(events, *, device_time: bool = False) -> Breakdown:
                 (bwd if backward else fwd)[comp] += t
                 total += t
                 # reversed so the earliest child is processed first (forward before backward)
-                stack.extend((c, comp, backward) for c in reversed(children))
+                stack.extend((c, comp, backward, in_op) for c in reversed(children))
     n = len(steps)
     return Breakdown(steps=n, step_us=total / n, forward_us={k: v / n for k, v in fwd.items()},
                      backward_us={k: v / n for k, v in bwd.items()},
                      range_counts={k: v / n for k, v in counts.items()},
-                     clock="cuda kernel time" if device_time else "cpu wall")
+                     clock="cuda kernel time" if device_time else "cpu wall",
+                     ops_us=None if device_time else ops / n)
+
+
+def _is_operator(name: str) -> bool:
+    """A dispatcher operator event (aten::mm, glm5::fused_moe_fwd), not a user range or autograd's wrapper."""
+    return "::" in name and not name.startswith(_BACKWARD_PREFIX) and "/" not in name

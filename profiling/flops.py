@@ -11,6 +11,10 @@ and the lab's own below for the glm5 kernels and CPU SDPA. Attention counts
 only visible (query, key) pairs: the causal triangle, the selected keys.
 Bytes: the distinct tensors each non-view op reads and writes, summed: a lower
 bound on memory traffic at op granularity (a kernel that re-reads does more).
+Ops that read part of an argument are charged for that part (PARTIAL_READS):
+a fused MoE for the experts some token chose, sparse attention for the
+selected cache rows, a gather for the gathered rows, so that a decode step's
+bytes are what it must read and not every expert's weights or the whole cache.
 
 It also keeps the arguments of the first sparse or block-sparse attention
 call in a chosen layer, for the attention-recall measurement.
@@ -139,15 +143,74 @@ def op_flops(func, args, kwargs, out) -> int:
     return 0
 
 
-def op_bytes(args, kwargs, out) -> int:
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _distinct_bytes(tensors) -> int:
     seen, total = set(), 0
-    for t in torch.utils._pytree.tree_leaves((args, kwargs, out)):
+    for t in torch.utils._pytree.tree_leaves(tensors):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)
             if key not in seen:
                 seen.add(key)
-                total += t.numel() * t.element_size()
+                total += _tensor_bytes(t)
     return total
+
+
+def _moe_bytes(a, expert_args) -> int:
+    """fused_moe: of each per-expert weight [E, ...] only the experts some token chose are read."""
+    E = a["w_gate_up"].shape[0]
+    used = int(torch.unique(a["ids"]).numel())
+    rest = {k: v for k, v in a.items() if k not in expert_args}
+    return _distinct_bytes(rest) + sum(_tensor_bytes(a[k]) * used // E for k in expert_args)
+
+
+def _selected_rows(indices, T: int) -> int:
+    """Distinct valid key positions per batch element, summed: the cache rows a sparse attention reads."""
+    total = 0
+    for b in range(indices.shape[0]):
+        sel = indices[b].reshape(-1)
+        total += int(torch.unique(sel[(sel >= 0) & (sel < T)]).numel())
+    return total
+
+
+def _sparse_attention_bytes(a) -> int:
+    """q, indices and the outputs whole; of k and v only the selected rows (v is often a
+    view of k's first columns, then those rows are read once)."""
+    k, v = a["k"], a["v"]                                   # [B,T,Hk,Dk], [B,T,Hk,Dv]
+    rows = _selected_rows(a["indices"], k.shape[1])
+    kv = rows * k[0, 0].numel() * k.element_size()
+    if v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        kv += rows * v[0, 0].numel() * v.element_size()
+    return kv + _distinct_bytes([a["q"], a["indices"], a.get("q_start")])
+
+
+def _gather_bytes(index, out) -> int:
+    """embedding / index / index_select: the gathered rows (read, then written), not the whole table."""
+    return _distinct_bytes(index) + 2 * _tensor_bytes(out)
+
+
+# Ops that read only part of an argument; every other op: the distinct tensors it touches.
+PARTIAL_READS = {
+    "glm5::fused_moe_fwd": lambda a, out: _moe_bytes(a, ("w_gate_up", "w_down")) + _tensor_bytes(out),
+    "glm5::fused_moe_int8": lambda a, out: _moe_bytes(a, ("w_gate_up", "gate_up_scale", "w_down", "down_scale"))
+    + _tensor_bytes(out),
+    "glm5::sparse_attention_fwd": lambda a, out: _sparse_attention_bytes(a) + _distinct_bytes(out),
+    "aten::embedding": lambda a, out: _gather_bytes(a["indices"], out),
+    "aten::index": lambda a, out: _gather_bytes(a["indices"], out),
+    "aten::index_select": lambda a, out: _gather_bytes(a["index"], out),
+}
+
+
+def op_bytes(func, args, kwargs, out) -> int:
+    """Bytes the op must move: its distinct tensors, except that ops reading part of an
+    argument (the chosen experts' weights, the selected cache rows, gathered
+    embedding rows) are charged for that part only."""
+    rule = PARTIAL_READS.get(lab_op_name(func))
+    if rule is not None:
+        return int(rule(_bind(func, args, kwargs), out))
+    return _distinct_bytes((args, kwargs, out))
 
 
 ATTENTION_OPS = ("glm5::sparse_attention_fwd", "glm5::block_sparse_attention_fwd")
@@ -192,7 +255,7 @@ class OpCounter(TorchDispatchMode):
             return out
         comp = self._component(args)
         self.flops[comp] += op_flops(func, args, kwargs, out)
-        self.bytes[comp] += op_bytes(args, kwargs, out)
+        self.bytes[comp] += op_bytes(func, args, kwargs, out)
         if self._capture and self.attention_args is None and name in ATTENTION_OPS:
             if self._capture in nvtx.current_ranges():
                 # clone: the cache the keys live in changes on later steps (the mode is off in here)

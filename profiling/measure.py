@@ -103,6 +103,24 @@ def peak_memory(device) -> tuple[int, str]:
     return peak_rss_bytes(), "peak RSS of the process (VmHWM)"
 
 
+def read_bandwidth_gbs(device, mib: int = 256, repeat: int = 5) -> float:
+    """Memory read bandwidth, GB/s: the best of `repeat` sums of a `mib` MiB fp32 tensor
+    (a sum reads each byte once and writes nothing; with torch's thread count, as the
+    profiled step runs). The read rate a weight-streaming decode step can hope for."""
+    if mib < 1 or repeat < 1:
+        raise ValueError(f"mib and repeat must be >= 1, got {mib}, {repeat}")
+    x = torch.ones(mib * 2**20 // 4, device=device)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
 def timed_steps(runner: Runner, steps: int, on_step=None) -> list[float]:
     """Seconds per step (wall, synchronised)."""
     times = []

@@ -277,6 +277,8 @@ def run(args) -> int:
             model.record = False
         runner.zero_grad()
         maxvio, loads = _expert_load(model)
+        log("measuring the memory read bandwidth (for the step's bound)")
+        read_gbs = measure.read_bandwidth_gbs(device)
         recall = (f"{args.attn} attention attends to every visible key: nothing is selected, no recall to "
                   "measure.")
         if model.attention_mode.selects_keys:
@@ -301,7 +303,7 @@ def run(args) -> int:
                   torch=torch.__version__, batch=args.batch, seq=args.seq, warmup=args.warmup,
                   nvtx_backend=nvtx.backend_name(), params=params, param_bytes=param_bytes,
                   tokens_per_step=tokens_per_step,
-                  step_wall_s=wall, breakdown=bd, flops=dict(counter.flops), bytes=dict(counter.bytes),
+                  step_wall_s=wall, breakdown=bd, read_gbs=read_gbs, flops=dict(counter.flops), bytes=dict(counter.bytes),
                   peak_bytes=peak, peak_what=peak_what, resting_bytes=resting, maxvio=maxvio, expert_load=loads,
                   num_experts=cfg.n_routed_experts,
                   top_k=getattr(cfg, "num_experts_per_tok", None), recall_text=recall, sweep=sweep, nsys_command=nsys)
@@ -309,7 +311,9 @@ def run(args) -> int:
     plots.component_bars(rows, bd.clock, os.path.join(out, "components.png"), title)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump({**{k: v for k, v in result.items() if k != "breakdown"}, "components": rows,
-                   "step_ms": bd.step_us / 1e3, "clock": bd.clock}, f, indent=1)
+                   "step_ms": bd.step_us / 1e3, "clock": bd.clock,
+                   "outside_ops_ms": None if bd.outside_ops_us is None else bd.outside_ops_us / 1e3}, f, indent=1)
     print(profile_report.component_table(rows, train=args.mode == "train"))
+    print(profile_report.bound_sentence(rows, bd.step_us, read_gbs, bd.outside_ops_us))
     log(f"report -> {os.path.join(out, 'report.md')} (plots and trace.json beside it)")
     return 0

@@ -78,6 +78,26 @@ def component_table(rows, *, train: bool) -> str:
     return "\n".join(lines)
 
 
+def bound_sentence(rows, step_us: float, read_gbs: float, outside_ops_us: float | None = None) -> str:
+    """The step against its memory bound (the bytes column at the measured read
+    bandwidth) and the framework overhead: time outside every component range and,
+    on the CPU, time between operator calls."""
+    total = sum(r["bytes"] for r in rows)
+    bound_ms = total / (read_gbs * 1e9) * 1e3
+    step_ms = step_us / 1e3
+    other = next((r for r in rows if r["component"] == OTHER), None)
+    text = (f"Bound: {_si(total, 'B')} per step at the measured read bandwidth {read_gbs:.1f} GB/s "
+            f"= {bound_ms:.2f} ms; the step takes {step_ms:.2f} ms, "
+            f"{step_ms / bound_ms:.1f}x the bound." if bound_ms > 0 else "Bound: no bytes counted.")
+    if other is not None:
+        text += (f" Framework overhead (step time outside every component range): {other['ms']:.2f} ms, "
+                 f"{other['share']:.1%}.")
+    if outside_ops_us is not None and step_us > 0:
+        text += (f" Time outside every operator call (Python, module calls, dispatch around the ops): "
+                 f"{outside_ops_us / 1e3:.2f} ms, {outside_ops_us / step_us:.1%}.")
+    return text
+
+
 def write(path: str, r: dict) -> None:
     """r: everything profile_cmd measured (see profile_cmd.run for the keys)."""
     bd = r["breakdown"]
@@ -104,8 +124,11 @@ def write(path: str, r: dict) -> None:
            "every component range, so the shares sum to 100%. "
            + ("Backward time goes to the component of the forward op that created the autograd node. " if train else "")
            + "FLOPs count useful work (visible attention pairs, selected keys, routed tokens); bytes are the "
-           "distinct tensors each op reads and writes (a lower bound on traffic), counted in one extra step.", "",
+           "distinct tensors each op reads and writes (a lower bound on traffic), counted in one extra step; "
+           "an op that reads part of a tensor counts that part (a fused MoE the chosen experts' weights, "
+           "sparse attention the selected cache rows, an embedding the gathered rows: profiling/flops.py).", "",
            component_table(rows, train=train), "",
+           bound_sentence(rows, bd.step_us, r["read_gbs"], bd.outside_ops_us), "",
            "![component breakdown](components.png)", "",
            "## Memory", "",
            f"- peak during the measured steps: {r['peak_bytes'] / 2**20:.1f} MiB ({r['peak_what']}), "

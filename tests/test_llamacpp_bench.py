@@ -76,3 +76,49 @@ def test_agreement_metrics():
     assert m["first_off"] == 1
     with pytest.raises(ValueError, match="shape"):
         agreement_metrics(ref[:1], ref)
+
+
+def _row(engine, precision, task, n, tok_s, started="2026-12-04 10:00:00 UTC"):
+    return {"engine": engine, "precision": precision, "task": task, "n": n, "tok_s": tok_s, "started": started}
+
+
+def test_speed_table_pairs_each_measurement_and_the_newest_wins():
+    from llamacpp_report import speed_table
+    rows = [_row("ours", "fp32", "decode", 0, 20.0, "2026-12-04 09:00:00 UTC"),
+            _row("llama.cpp", "fp32", "decode", 0, 50.0, "2026-12-04 09:00:00 UTC"),
+            _row("ours", "fp32", "decode", 0, 60.0), _row("llama.cpp", "fp32", "decode", 0, 40.0),   # a rerun
+            _row("ours", "fp32", "prefill", 4096, 600.0), _row("llama.cpp", "fp32", "prefill", 4096, 200.0),
+            _row("ours", "int8", "prefill", 4096, 500.0)]                                # no Q8_0 row
+    lines = speed_table(rows).splitlines()
+    assert lines[2].startswith("| prefill 4,096 tokens | 600.0 | 200.0 | **3.00x** | 500.0 | - | - |")
+    assert lines[3].startswith("| decode at depth 0 | 60.0 | 40.0 | **1.50x** | - | - | - |")
+    assert len(lines) == 4
+
+
+def test_results_block_is_replaced_between_its_markers():
+    from llamacpp_report import BEGIN, END, replace_block
+    text = f"intro\n{BEGIN}\nold table\n{END}\nafter\n"
+    assert replace_block(text, "new") == f"intro\n{BEGIN}\nnew\n{END}\nafter\n"
+    with pytest.raises(ValueError, match="markers"):
+        replace_block("no markers here", "new")
+
+
+def test_llama_bench_commands():
+    from llamacpp.build import LlamaCpp
+    from llamacpp.speed import WARMUP_MAX_PROMPT, llama_bench_cmd
+    lc = LlamaCpp("/p", "/s", "/b")
+    pp = llama_bench_cmd(lc, "m.gguf", "prefill", 512, 2, 128)
+    assert pp[:1] == ["/b/bin/llama-bench"] and "-p 512 -n 0" in " ".join(pp) and "--no-warmup" not in pp
+    assert "--no-warmup" in llama_bench_cmd(lc, "m.gguf", "prefill", WARMUP_MAX_PROMPT + 1, 2, 128)
+    tg = " ".join(llama_bench_cmd(lc, "m.gguf", "decode", 4096, 2, 128))
+    assert "-t 2" in tg and "-p 0 -n 128 -d 4096" in tg
+
+
+def test_speed_arguments_are_checked(capsys):
+    import llamacpp_compare
+    with pytest.raises(SystemExit):
+        llamacpp_compare.main(["speed", "--precision", "fp16"])
+    assert "fp32, int8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        llamacpp_compare.main(["speed", "--decode-steps", "0"])
+    assert "--decode-steps must be >= 1" in capsys.readouterr().err

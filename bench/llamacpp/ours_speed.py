@@ -1,0 +1,87 @@
+"""Child process: our GLM-5 on one prefill or decode measurement, as llama-bench does it.
+
+    python bench/llamacpp/ours_speed.py CKPT fp32|int8 prefill|decode N STEPS CHUNK
+
+prefill N: tokens/s of `prefill` over N tokens into an empty paged cache.
+decode N: fill the cache with N tokens (untimed, like llama-bench's depth run; N = 0
+means one token, since our decode needs a context), then STEPS one-token forwards,
+timed: STEPS / seconds. Before timing, a short warm-up (64-token prefill, 2 decode
+steps on a throwaway cache) so that one-time costs (thread pool, first allocations)
+are not charged to the measurement, as llama-bench's warm-up run does.
+int8: CKPT is the int8 checkpoint `speed.prepared_models` saved (models.glm5.quantize,
+"int8_weight_only", the lab's default skip list: lm_head and the embedding stay fp32).
+Prints one JSON line last.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+PRECISIONS = ("fp32", "int8")
+WARMUP_TOKENS = 64
+
+
+def _log(msg: str) -> None:
+    print(f"[ours] {msg}", file=sys.stderr, flush=True)
+
+
+def load(ckpt: str, precision: str):
+    from models.glm5 import GLM5ForCausalLM
+    from models.glm5.quantization import QUANT_FILE
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if (precision == "int8") != os.path.exists(os.path.join(ckpt, QUANT_FILE)):
+        raise ValueError(f"ckpt {ckpt!r} does not hold a {precision} model ({QUANT_FILE} decides)")
+    return GLM5ForCausalLM.from_pretrained(ckpt, verbose=False).eval()
+
+
+def _tokens(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _decode(model, cache, logits, steps: int) -> float:
+    nxt = logits.argmax(-1).view(1, 1)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = model(nxt, cache)[:, -1].argmax(-1).view(1, 1)
+    return time.perf_counter() - t0
+
+
+def measure(ckpt: str, precision: str, task: str, n: int, steps: int, chunk: int) -> dict:
+    if task not in ("prefill", "decode"):
+        raise ValueError(f"task must be prefill or decode, got {task!r}")
+    if n < (1 if task == "prefill" else 0) or steps < (1 if task == "decode" else 0) or chunk < 1:
+        raise ValueError(f"bad sizes: n={n}, steps={steps}, chunk={chunk}")
+    torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    model = load(ckpt, precision)
+    vocab = model.config.vocab_size
+    _log(f"{precision} model ready in {time.perf_counter() - t0:.1f} s; warm-up")
+    cache = model.new_cache(1, WARMUP_TOKENS + 3)
+    logits, _ = model.prefill(_tokens(WARMUP_TOKENS, vocab, seed=2), cache, chunk=chunk)
+    _decode(model, cache, logits, 2)
+    del cache
+    fill = max(n, 1)
+    cache = model.new_cache(1, fill + steps + 1)
+    _log(f"{task}: prefill {fill} tokens" + (" (the depth, untimed)" if task == "decode" else ""))
+    t0 = time.perf_counter()
+    logits, _ = model.prefill(_tokens(fill, vocab), cache, chunk=chunk)
+    prefill_s = time.perf_counter() - t0
+    result = {"engine": "ours", "precision": precision, "task": task, "n": n, "prefill_s": prefill_s}
+    if task == "prefill":
+        result["tok_s"] = n / prefill_s
+    else:
+        _log(f"decode: {steps} steps at depth {fill} (prefill took {prefill_s:.1f} s)")
+        result.update(steps=steps, depth_filled=fill, tok_s=steps / _decode(model, cache, logits, steps))
+    return result
+
+
+if __name__ == "__main__":
+    ckpt, precision, task, n, steps, chunk = sys.argv[1:7]
+    print(json.dumps(measure(ckpt, precision, task, int(n), int(steps), int(chunk))))

@@ -1,0 +1,129 @@
+"""Renders the llama.cpp speed runs (runs/llamacpp-speed/*.json, written by
+`bench/llamacpp_compare.py speed`) into bench/RESULTS.md's "llama.cpp side by side"
+table, a plot and the merged rows:
+
+    python bench/llamacpp_report.py                   # newest row per measurement wins
+    python bench/llamacpp_report.py --runs DIR --no-results   # print only
+
+Each ratio pairs the two engines' rows of one run (the speed command measures
+them back to back); a measurement rerun later (decode after a kernel change)
+replaces both sides of its pair.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BEGIN, END = "<!-- llamacpp-speed:begin (bench/llamacpp_report.py) -->", "<!-- llamacpp-speed:end -->"
+PAIRS = (("fp32", "F32"), ("int8", "Q8_0"))
+
+
+def load_runs(folder: str) -> list[dict]:
+    """Every row of every run in `folder`, oldest run first, each with its run's start and command."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as f:
+            run = json.load(f)
+        if not isinstance(run, dict) or "rows" not in run:
+            raise ValueError(f"{path} is not a speed run (no 'rows'); written by an older script?")
+        rows += [{**r, "started": run["started"], "run_command": run["command"], "cpu": run.get("cpu", "")}
+                 for r in run["rows"]]
+    return rows
+
+
+def latest(rows: list[dict]) -> dict:
+    """(engine, precision, task, n) -> the newest row."""
+    out = {}
+    for r in sorted(rows, key=lambda r: r.get("started", "")):   # a run's own rows carry no start yet
+        out[(r["engine"], r["precision"], r["task"], r["n"])] = r
+    return out
+
+
+def speed_table(rows: list[dict]) -> str:
+    best = latest(rows)
+    keys = sorted({(task, n) for (_, _, task, n) in best}, key=lambda k: (k[0] != "prefill", k[1]))
+    head = "| tokens/s, 2 threads |" + "".join(f" ours {p} | llama.cpp {t} | ours / llama.cpp |" for p, t in PAIRS) + \
+        " measured (UTC) |"
+    lines = [head, "|---|" + "---|---|---|" * len(PAIRS) + "---|"]
+    for task, n in keys:
+        label = f"prefill {n:,} tokens" if task == "prefill" else f"decode at depth {n:,}"
+        cells, dates = [], set()
+        for p, _ in PAIRS:
+            o, l = best.get(("ours", p, task, n)), best.get(("llama.cpp", p, task, n))
+            cells += [f"{o['tok_s']:.1f}" if o else "-", f"{l['tok_s']:.1f}" if l else "-",
+                      f"**{o['tok_s'] / l['tok_s']:.2f}x**" if o and l else "-"]
+            dates |= {r["started"][:16] for r in (o, l) if r and "started" in r}
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(sorted(dates))} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    best = latest(rows)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {("ours", "fp32"): ("tab:blue", "-", "ours fp32"), ("llama.cpp", "fp32"): ("tab:orange", "-", "llama.cpp F32"),
+              ("ours", "int8"): ("tab:blue", "--", "ours int8"), ("llama.cpp", "int8"): ("tab:orange", "--", "llama.cpp Q8_0")}
+    for ax, task in zip(axes, ("prefill", "decode")):
+        sizes = sorted({n for (_, _, t, n) in best if t == task})
+        for (engine, precision), (color, ls, label) in styles.items():
+            pts = [(i, best[(engine, precision, task, n)]["tok_s"]) for i, n in enumerate(sizes)
+                   if (engine, precision, task, n) in best]
+            if pts:
+                ax.plot(*zip(*pts), color=color, ls=ls, marker="o", label=label)
+        ax.set_xticks(range(len(sizes)), [f"{n:,}" for n in sizes])
+        ax.set_xlabel("prompt tokens" if task == "prefill" else "context depth (tokens)")
+        ax.set_ylabel("tokens/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{task}, small preset, 2 threads")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def replace_block(text: str, block: str) -> str:
+    """text with the part between BEGIN and END replaced by block; both markers must be there."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"RESULTS.md must hold the markers {BEGIN!r} and {END!r} once each, in that order")
+    return text[:text.index(BEGIN) + len(BEGIN)] + "\n" + block + "\n" + text[text.index(END):]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=os.path.join(ROOT, "runs", "llamacpp-speed"))
+    ap.add_argument("--results", default=os.path.join(HERE, "RESULTS.md"))
+    ap.add_argument("--figures", default=os.path.join(HERE, "figures"))
+    ap.add_argument("--no-results", action="store_true", help="print the table; write nothing")
+    args = ap.parse_args(argv)
+    rows = load_runs(args.runs)
+    if not rows:
+        print(f"no speed runs in {args.runs}: run `bench/llamacpp_compare.py speed` first", file=sys.stderr)
+        return 1
+    table = speed_table(rows)
+    print(table)
+    if args.no_results:
+        return 0
+    os.makedirs(args.figures, exist_ok=True)
+    png = os.path.join(args.figures, "llamacpp_speed.png")
+    plot(rows, png)
+    with open(os.path.join(args.figures, "llamacpp_speed.json"), "w") as f:
+        json.dump(sorted(latest(rows).values(), key=lambda r: (r["task"], r["n"], r["precision"], r["engine"])),
+                  f, indent=1)
+    with open(args.results) as f:
+        text = f.read()
+    with open(args.results, "w") as f:
+        f.write(replace_block(text, table + "\n\n![llama.cpp side by side](figures/llamacpp_speed.png)"))
+    print(f"-> {args.results}, {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
