@@ -227,7 +227,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         lo, hi = expert_range(E, rank, ep)
         experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[lo:hi].clone())
         experts.down_proj = nn.Parameter(experts.down_proj.detach()[lo:hi].clone())
-        experts.num_experts, experts.ep_group = E, group
+        experts.num_experts, experts.ep_group, experts.ep_range = E, group, (lo, hi)
         experts.forward = types.MethodType(_ep_experts_forward, experts)
         layer.mlp.__class__ = ExpertParallelMoE
 
