@@ -49,8 +49,8 @@ def test_meta_init_equals_eager_on_every_mesh(pool4, dims):
 
 
 def test_meta_init_peak_below_eager(pool4):
-    meta = pool4.run(init_job, dims=dict(dp_shard=4), meta_init=True)
-    eager = pool4.run(init_job, dims=dict(dp_shard=4), meta_init=False)
+    meta = pool4.run(init_job, dims=dict(dp_shard=4), meta_init=True, track=True)
+    eager = pool4.run(init_job, dims=dict(dp_shard=4), meta_init=False, track=True)
     full_bytes = sum(t.numel() * 4 for t in _eager_params().values())
     for m, e in zip(meta, eager):
         # eager: the whole model (and its constructors' draws) in every process;

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from models.glm5 import GLM5ForCausalLM
 from models.glm5.config import GLM5Config
+from training.activation_policy import apply_activation_policy
 from training.meta_init import materialize, record_init, seeded_init
 from training.parallelize import ParallelDims, data_rank, parallelize
 from training.pipeline import SCHEDULES, build_schedule, keep_layers, lm_loss, split_layers
@@ -38,7 +39,8 @@ from training.pipeline import SCHEDULES, build_schedule, keep_layers, lm_loss, s
 class Trainer:
     def __init__(self, config: GLM5Config, dims: ParallelDims, mesh=None, *, attn: str = "dsa", lr: float = 1e-3,
                  micro_batches: int = 1, schedule: str = "1f1b", seed: int = 0, param_dtype=None,
-                 overlap: bool = True, device: str | torch.device = "cpu", lora=None, meta_init: bool | None = None):
+                 overlap: bool = True, device: str | torch.device = "cpu", lora=None, meta_init: bool | None = None,
+                 memory_policy: str = "none"):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
         if dims.pp > 1 and micro_batches < dims.pp:
@@ -68,6 +70,7 @@ class Trainer:
         else:
             seeded_init(model, seed)
         keep_layers(model, split_layers(config, dims.pp)[self.stage], first=self.first, last=self.last)
+        apply_activation_policy(model, memory_policy)
         self.lora = lora
         if lora is not None:   # adapters before parallelize: FSDP2 shards them like any parameter
             from training.lora import apply_lora
