@@ -85,6 +85,9 @@ def _worker(rank: int, world: int, port: int, job: str, kw: dict, out):
         result = (_overlap if job == "overlap" else _memory)(rank, world, kw)
         result["fixed_rss_mib"] = fixed
         out.put((rank, result))
+    except BaseException as e:   # the parent must not wait for an answer that will not come
+        out.put((rank, RuntimeError(f"rank {rank}: {type(e).__name__}: {e}")))
+        raise
     finally:
         if world > 1:
             dist.barrier()
@@ -112,6 +115,7 @@ def _overlap(rank, world, kw):
 
     from training.parallelize import set_prefetch
     trainer = _trainer(world, kw)
+    _log(rank, "built")
     times = {True: [], False: []}
     step = 0
     for on in (True, False):             # warm-up, one step each
@@ -125,6 +129,7 @@ def _overlap(rank, world, kw):
             t0 = time.perf_counter()
             trainer.step(*_batch(kw, step))
             times[on].append(time.perf_counter() - t0)
+            _log(rank, f"prefetch {'on' if on else 'off'}: {times[on][-1]:.2f} s")
             step += 1
     traces = {}
     for on in (True, False):
@@ -137,6 +142,11 @@ def _overlap(rank, world, kw):
         prof.export_chrome_trace(path)
         traces["on" if on else "off"] = hidden_fraction(path)
     return dict(step_s_on=times[True], step_s_off=times[False], trace=traces, peak_rss_mib=_peak_rss_mib())
+
+
+def _log(rank, msg):
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _union(intervals):
@@ -204,6 +214,11 @@ def launch(world: int, job: str, **kw) -> list[dict]:
     for p in procs:
         p.start()
     results = dict(out.get(timeout=3600) for _ in procs)
+    failed = [r for r in results.values() if isinstance(r, Exception)]
+    if failed:
+        for p in procs:
+            p.terminate()
+        raise failed[0]
     for p in procs:
         p.join()
         if p.exitcode:
