@@ -18,7 +18,7 @@ JSON object to DIR/metrics.jsonl; the held-out loss is printed at the end
 (pp = 1 only: the pipeline schedules have no forward-only step on every
 release this lab supports), and DIR/checkpoint gets config.json and
 model.safetensors (fp32, experts stacked) that GLM5ForCausalLM.from_pretrained
-loads (no tokenizer files: the tokens are bytes).
+loads, and a byte-level tokenizer.json (training/byte_tokenizer.py).
 """
 from __future__ import annotations
 
@@ -247,6 +247,8 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
         if not args.no_checkpoint:
             trainer.save_pretrained(os.path.join(args.out, "checkpoint"))
             if rank == 0:
+                from training.byte_tokenizer import write_byte_tokenizer
+                write_byte_tokenizer(os.path.join(args.out, "checkpoint"))   # token = byte
                 print(f"[train] checkpoint: {os.path.join(args.out, 'checkpoint')} (GLM5ForCausalLM.from_pretrained)",
                       flush=True)
         if world > 1:
