@@ -18,7 +18,7 @@ JSON object to DIR/metrics.jsonl; the held-out loss is printed at the end
 (pp = 1 only: the pipeline schedules have no forward-only step on every
 release this lab supports), and DIR/checkpoint gets config.json and
 model.safetensors (fp32, experts stacked) that GLM5ForCausalLM.from_pretrained
-loads (no tokenizer files: the tokens are bytes).
+loads, and a byte-level tokenizer.json (training/byte_tokenizer.py).
 """
 from __future__ import annotations
 
@@ -62,8 +62,11 @@ def add_parser(subparsers) -> None:
                    help="torch threads per process (default: torch's; torchrun sets OMP_NUM_THREADS=1)")
     p.add_argument("--eval-batches", type=nonnegative_int, default=4, help="held-out batches (0: none)")
     p.add_argument("--no-overlap", action="store_true",
-                   help="one FSDP unit for the whole model: gradients reduced after the whole backward, not per "
-                        "layer as they become ready")
+                   help="gather each layer's weights when it is reached and wait, instead of one layer ahead "
+                        "asynchronously (training/parallelize.py set_prefetch)")
+    p.add_argument("--memory-policy", choices=("none", "recompute", "compress8", "full"), default="none",
+                   help="per decoder layer: recompute in backward, keep 8-bit saved tensors, or both "
+                        "(training/activation_policy.py)")
     p.add_argument("--no-checkpoint", action="store_true", help="do not write DIR/checkpoint at the end")
     p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
                    help="a DCP checkpoint every N steps under DIR/ckpt (docs/CHECKPOINTS.md)")
@@ -196,7 +199,8 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
         train, held_out = data[:split], data[split:]
         trainer = Trainer(config, dims, mesh, attn=args.attn, lr=args.lr, micro_batches=args.micro_batches,
                           schedule=args.schedule, seed=args.seed, param_dtype=DTYPES[args.dtype],
-                          overlap=not args.no_overlap, device=device, lora=_lora_config(args, dims))
+                          overlap=not args.no_overlap, device=device, lora=_lora_config(args, dims),
+                          memory_policy=args.memory_policy)
         os.makedirs(args.out, exist_ok=True)
         gen = torch.Generator().manual_seed(args.seed)
         ckpt, start = _checkpointer(args, trainer, gen, rank)
@@ -243,6 +247,8 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
         if not args.no_checkpoint:
             trainer.save_pretrained(os.path.join(args.out, "checkpoint"))
             if rank == 0:
+                from training.byte_tokenizer import write_byte_tokenizer
+                write_byte_tokenizer(os.path.join(args.out, "checkpoint"))   # token = byte
                 print(f"[train] checkpoint: {os.path.join(args.out, 'checkpoint')} (GLM5ForCausalLM.from_pretrained)",
                       flush=True)
         if world > 1:

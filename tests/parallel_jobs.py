@@ -83,3 +83,21 @@ def worst_rel(a: dict, b: dict) -> tuple[float, str]:
                              f"only reference {sorted(set(b) - set(a))}")
     errs = [(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)), n) for n in b]
     return max(errs)
+
+
+def init_job(dims: dict, *, meta_init: bool, track: bool = False) -> dict:
+    """The whole parameters right after construction (from one process per
+    stage) and, with `track`, the peak bytes MemTracker saw allocated while
+    constructing (it slows every op down: only where the test needs it)."""
+    import contextlib
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+    d = ParallelDims(**dims)
+    mesh = d.build_mesh("cpu")
+    tracker = MemTracker() if track else None
+    with tracker if track else contextlib.nullcontext():
+        trainer = Trainer(preset("tiny"), d, mesh, micro_batches=d.pp, meta_init=meta_init)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] if track else None
+    params = trainer.full_parameters()
+    owner = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    return dict(params=params if owner else None, peak_bytes=peak)

@@ -107,3 +107,8 @@ def test_parity_8_processes_3d():
     finally:
         pool.close()
     _check_parity(results)
+
+
+def test_parity_without_prefetch(pool4):
+    """overlap=False (each layer gathered when reached, no async prefetch) computes the same."""
+    _check_parity(pool4.run(train_job, dims=dict(dp_shard=4), micro_batches=2, overlap=False))

@@ -6,9 +6,13 @@ optimizer, and the optimizer step over one global batch.
     loss = trainer.step(x, y)          # x, y: the whole global batch [B, S], the same on every process
     params = trainer.full_parameters() # this stage's parameters, whole (a collective)
 
-Every process builds the whole model from the same seed, then keeps its
-part: the initial weights are those of the single-process model, which is
-what the parity tests compare against. Each data-parallel process ("dp" =
+The model is built on the meta device, split and parallelized there, and
+each process then allocates and fills only its own shards
+(training/meta_init.py): no process holds the whole model, and the values
+are those of the eager single-process model of the same seed (seeded, then
+GLM5ForCausalLM.init_weights), which is what the parity tests compare
+against. meta_init=False builds the whole model eagerly in every process
+first (needed with LoRA, whose adapters are built from the base weights). Each data-parallel process ("dp" =
 dp_shard x ep) takes its contiguous B / dp rows. Gradient accumulation: with
 pp = 1 the rows are split into K micro-batches whose losses are scaled by
 1/K, and FSDP2 synchronises gradients after the last one only
@@ -26,6 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from models.glm5 import GLM5ForCausalLM
 from models.glm5.config import GLM5Config
+from training.activation_policy import apply_activation_policy
+from training.meta_init import materialize, record_init, seeded_init
 from training.parallelize import ParallelDims, data_rank, parallelize
 from training.pipeline import SCHEDULES, build_schedule, keep_layers, lm_loss, split_layers
 
@@ -33,7 +39,8 @@ from training.pipeline import SCHEDULES, build_schedule, keep_layers, lm_loss, s
 class Trainer:
     def __init__(self, config: GLM5Config, dims: ParallelDims, mesh=None, *, attn: str = "dsa", lr: float = 1e-3,
                  micro_batches: int = 1, schedule: str = "1f1b", seed: int = 0, param_dtype=None,
-                 overlap: bool = True, device: str | torch.device = "cpu", lora=None):
+                 overlap: bool = True, device: str | torch.device = "cpu", lora=None, meta_init: bool | None = None,
+                 memory_policy: str = "none"):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
         if dims.pp > 1 and micro_batches < dims.pp:
@@ -50,16 +57,28 @@ class Trainer:
         self.first, self.last = self.stage == 0, self.stage == dims.pp - 1
         self.data_rank = data_rank(mesh) if mesh is not None else 0
 
-        torch.manual_seed(seed)
-        with torch.device(self.device):
+        if meta_init is None:
+            meta_init = lora is None
+        if meta_init and lora is not None:
+            raise ValueError("meta_init=True cannot be combined with lora: the adapters are built from the "
+                             "base weights' values (pass meta_init=False)")
+        self.meta_init = meta_init
+        with torch.device("meta" if meta_init else self.device):
             model = GLM5ForCausalLM(config.replace(num_nextn_predict_layers=0), attn=attn)
+        if meta_init:
+            plan = record_init(model)
+        else:
+            seeded_init(model, seed)
         keep_layers(model, split_layers(config, dims.pp)[self.stage], first=self.first, last=self.last)
+        apply_activation_policy(model, memory_policy)
         self.lora = lora
         if lora is not None:   # adapters before parallelize: FSDP2 shards them like any parameter
             from training.lora import apply_lora
             apply_lora(model, lora, tp=dims.tp, ep=dims.ep)
         if mesh is not None:
             parallelize(model, mesh, dims, param_dtype=param_dtype, overlap=overlap)
+        if meta_init:
+            materialize(model, plan, seed, self.device)
         self.model = model
         # foreach=False: the parameters mix DTensors of different meshes and plain tensors.
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95), weight_decay=0.0,

@@ -24,9 +24,9 @@ in torchtitan) and one slice of the heads (tp).
   root, sharded over "dp"; the routed experts of a MoE layer form their own
   unit over "dp_shard" (they differ across ep), with the gradient divided by
   the whole data-parallel size (their gradient already sums the ep ranks'
-  tokens). With overlap off the layers are not units of their own: one
-  reduce-scatter after the whole backward instead of one per layer as its
-  gradients become ready.
+  tokens). Overlap (set_prefetch): each layer's all-gather is issued
+  asynchronously one layer ahead; with it off each is issued when the layer
+  is reached and waited for at once (the same units and memory either way).
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         lo, hi = expert_range(E, rank, ep)
         experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[lo:hi].clone())
         experts.down_proj = nn.Parameter(experts.down_proj.detach()[lo:hi].clone())
-        experts.num_experts, experts.ep_group = E, group
+        experts.num_experts, experts.ep_group, experts.ep_range = E, group, (lo, hi)
         experts.forward = types.MethodType(_ep_experts_forward, experts)
         layer.mlp.__class__ = ExpertParallelMoE
 
@@ -240,12 +240,33 @@ def apply_fsdp(model: nn.Module, mesh: "ParallelMesh", dims: ParallelDims, *, pa
     # Several pipeline micro-batches run forward before any backward: keep the
     # layers gathered between them rather than gathering each one K times.
     reshard = dims.pp == 1
-    for layer in model.model.layers.values():
+    layers = list(model.model.layers.values())
+    for layer in layers:
         if dims.ep > 1 and isinstance(layer.mlp, MoE):
             fully_shard(layer.mlp.experts, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
-        if overlap:
-            fully_shard(layer, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+    if reshard:
+        set_prefetch(model, overlap)
+
+
+def set_prefetch(root, on: bool) -> None:
+    """on: each layer's all-gather is issued while the layer before it
+    computes (forward; in backward the one after it) and waited for only when
+    the layer runs: async_op collectives, which on gloo run in gloo's own
+    threads and on NCCL on FSDP2's streams. off: each layer is gathered when
+    it is reached and the process waits (on CUDA FSDP2's implicit prefetch
+    still overlaps it; on CPU its streams are no-ops). Either way FSDP2 issues
+    the reduce-scatters blocking: on CUDA on a stream of their own, which
+    overlaps; on gloo the backward waits for each. Can be switched between
+    steps (the benchmark alternates)."""
+    layers = list(root.model.layers.values())
+    root.set_modules_to_forward_prefetch(layers[:1] if on else [])
+    root.set_modules_to_backward_prefetch(layers[-1:] if on else [])
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 2] if on else [])
+        layer.set_modules_to_backward_prefetch(layers[i - 1:i] if on and i else [])
+    root._set_unshard_async_op(on)   # every FSDP unit under root
 
 
 def parallelize(model: nn.Module, mesh: "ParallelMesh", dims: ParallelDims, *, param_dtype=None,
