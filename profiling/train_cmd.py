@@ -77,6 +77,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lora", type=positive_int, default=None, metavar="RANK",
                    help="train LoRA adapters of this rank on the attention projections only (training/lora.py)")
     p.add_argument("--lora-router", action="store_true", help="with --lora: adapters on the MoE routers too")
+    p.add_argument("--stages", metavar="FILE", default=None,
+                   help="a TOML stage spec (docs/TRAINING.md, training/stages.py): its stages' data, steps, seq, "
+                        "batch, lr, attn and trainable parts replace those flags; one process")
     p.add_argument("--out", required=True, metavar="DIR")
     p.set_defaults(func=run, parser=p)
 
@@ -169,6 +172,8 @@ def run(args) -> int:
     from models.glm5.config import preset
     from training.parallelize import ParallelDims
     config = preset(args.preset)
+    if args.stages is not None:
+        return _run_stages(args, config)
     dims = ParallelDims(dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, ep=args.ep)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _validate(args, config, dims, world)
@@ -258,4 +263,33 @@ def _train(args, config, dims, world: int, data: torch.Tensor) -> int:
     finally:
         if world > 1:
             dist.destroy_process_group()
+    return 0
+
+
+def _run_stages(args, config) -> int:
+    from training.stage_runner import run_stages
+    from training.stages import StageSpecError, load_stages
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1 or (args.dp_shard, args.tp, args.pp, args.ep) != (1, 1, 1, 1):
+        raise UsageError("--stages runs in one process (no torchrun, dp_shard = tp = pp = ep = 1)")
+    if args.lora is not None or args.async_save:
+        raise UsageError("--stages: LoRA is set in the spec's [lora] table; --async-save is not supported with it")
+    if config.vocab_size < 256:
+        raise UsageError(f"--preset {args.preset}: vocab_size {config.vocab_size} cannot hold the 256 byte tokens")
+    if args.resume is not None and not os.path.isdir(os.path.join(args.resume, "ckpt")):
+        raise UsageError(f"--resume: {args.resume!r} holds no ckpt/ directory of checkpoints")
+    try:
+        spec = load_stages(args.stages)
+        longest = max(s["seq"] + (s["prompt"] + s["completion"] if s["kind"] == "parse" else 0)
+                      for s in spec["stages"])
+        if longest >= config.max_position_embeddings:
+            raise StageSpecError(f"--stages: a stage needs {longest} positions; the preset has "
+                                 f"{config.max_position_embeddings}")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        trainer, _ = run_stages(spec, config, args.out, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                                resume=args.resume, eval_batches=max(args.eval_batches, 1))
+    except StageSpecError as e:
+        raise UsageError(str(e)) from None
+    if not args.no_checkpoint:
+        trainer.save_pretrained(os.path.join(args.out, "checkpoint"))
     return 0

@@ -33,7 +33,10 @@ full checkpoints they build on, are kept; older ones are deleted.
 Async: dcp.async_save copies the state to CPU memory (the only part that
 blocks training) and writes it from a background thread over a process group
 of its own (gloo), so its collectives never interleave with training's. At
-most one save is in flight: the next save() waits for it.
+most one save is in flight: the next save() waits for it. The copy goes into
+CPU buffers kept from one save to the next (training/ckpt_staging.py): the
+first save allocates them, later ones only copy (reuse_staging=False: fresh
+buffers every save, DCP's default).
 """
 from __future__ import annotations
 
@@ -46,8 +49,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from training.ckpt_staging import ReusedStagingBuffers, StagingWriter
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
@@ -93,7 +98,7 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-class _SlowWriter(FileSystemWriter):
+class _SlowWriter(StagingWriter):
     """Tests only (GLM5_CKPT_WRITE_DELAY_S): holds each process's data written
     but the save unfinished (no .metadata, no manifest) for that long, so a
     kill can land inside a save."""
@@ -106,7 +111,8 @@ class _SlowWriter(FileSystemWriter):
 
 
 class Checkpointer:
-    def __init__(self, root: str, trainer, *, async_save: bool = False, incremental: bool = False, keep: int = 2):
+    def __init__(self, root: str, trainer, *, async_save: bool = False, incremental: bool = False, keep: int = 2,
+                 reuse_staging: bool = True):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive int, got {keep!r}")
         self.root, self.trainer, self.async_save, self.incremental, self.keep = root, trainer, async_save, \
@@ -117,6 +123,7 @@ class Checkpointer:
         self._pending = None          # (future, path, manifest) of the save in flight
         self._base = None             # (name, trainable names) of the newest full checkpoint
         self.last_blocking_s = 0.0    # how long the last save() held training up
+        self.staging = ReusedStagingBuffers() if async_save and reuse_staging else None
 
     # -- state ---------------------------------------------------------------------
     def _trainable(self) -> set[str]:
@@ -144,8 +151,8 @@ class Checkpointer:
         full = everything or not (self.incremental and self._base is not None and self._base[1] == trainable)
         path = step_dir(self.root, step)
         state = self._state(dict(extra or {}, step=step), frozen=full)
-        writer_cls = _SlowWriter if os.environ.get("GLM5_CKPT_WRITE_DELAY_S") else FileSystemWriter
-        writer = writer_cls(path)
+        writer_cls = _SlowWriter if os.environ.get("GLM5_CKPT_WRITE_DELAY_S") else StagingWriter
+        writer = writer_cls(path, self.staging, "full" if full else "incremental")
         manifest = dict(step=step, kind="full" if full else "incremental",
                         base=None if full else self._base[0], world=dist.get_world_size() if self.distributed else 1,
                         time=time.time())
@@ -176,7 +183,10 @@ class Checkpointer:
             self._commit(path, manifest)
 
     def close(self) -> None:
+        """Waits for the save in flight and frees the staging buffers."""
         self.wait()
+        if self.staging is not None:
+            self.staging.clear()
 
     def _commit(self, path: str, manifest: dict) -> None:
         if _rank() != 0:
