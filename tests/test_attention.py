@@ -228,6 +228,29 @@ def test_block_sparse_attention_matches_reference(backend, poisoned, case, dtype
     compare(ours, ref32, ref_lp, dtype)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU kernels' per-worker dK/dV buffers")
+def test_cpu_backward_is_bitwise_repeatable():
+    """dK/dV sum per-worker buffers; with items handed out by a shared counter
+    the split changed run to run and so did the gradient's last bits (a
+    resumed DSA training run drifted from the uninterrupted one)."""
+    q, k, v = qkv(2, 200, 260, 8, 2, 64, 48, torch.float32, 11)
+    idx = random_selection(2, 200, 260, 64, 12)
+    mask = glm5_ops.block_topk_mask(q, k, block_size=16, topk_blocks=6, causal=True)
+    ops = {"sparse": lambda qq, kk, vv: glm5_ops.sparse_attention(qq, kk, vv, idx, scale=0.1, causal=True),
+           "block_sparse": lambda qq, kk, vv: glm5_ops.block_sparse_attention(qq, kk, vv, mask, scale=0.1)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    try:
+        with glm5_ops.use_backend("cpp"):
+            for name, op in ops.items():
+                first = run_with_grads(op, q, k, v, 13)
+                for _ in range(6):
+                    again = run_with_grads(op, q, k, v, 13)
+                    assert all(torch.equal(a, b) for a, b in zip(first[2:], again[2:]) if a is not None), name
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_block_sparse_broadcast_mask_and_q_start(backend, poisoned):
     """A [1,1,Qb,W] mask broadcasts over B and H; q_start shifts the causal diagonal."""
     B, S, T, H, D, bs = 2, 20, 36, 4, 16, 8

@@ -58,11 +58,12 @@ inline at::Tensor to_dtype(const at::Tensor& x32, at::ScalarType dtype) {
 
 // dK and dV are scattered from every query that selected a key, so each
 // worker thread accumulates into its own zeroed fp32 [B,T,Hkv,D] pair and the
-// pairs are summed at the end (no atomics, deterministic per thread count).
+// pairs are summed at the end in worker order (no atomics). With
+// parallel_strided worker w always gets the same items, so the result is
+// deterministic for a given thread count.
 // Memory: workers x B*T*Hkv*(Dk+Dv) x 4 bytes.
 struct KVGradBuffers {
   std::vector<at::Tensor> dk, dv;
-  std::atomic<int64_t> next{0};
   KVGradBuffers(const AttentionInputs& in, int64_t items) {
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
     for (int64_t w = 0; w < workers; ++w) {
@@ -70,9 +71,8 @@ struct KVGradBuffers {
       dv.push_back(at::zeros({in.B, in.T, in.Hkv, in.Dv}, at::kFloat));
     }
   }
-  // The buffers of the calling worker (called once per worker, from its scratch constructor).
-  std::pair<float*, float*> claim() {
-    const int64_t w = next.fetch_add(1);
+  // Worker w's buffers (parallel_strided's worker index, from its scratch constructor).
+  std::pair<float*, float*> claim(int64_t w) {
     TORCH_CHECK(w < static_cast<int64_t>(dk.size()), "internal: more workers than gradient buffers");
     return {dk[w].data_ptr<float>(), dv[w].data_ptr<float>()};
   }

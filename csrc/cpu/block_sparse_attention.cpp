@@ -165,11 +165,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_sparse_attention_bwd_cpu(
 
   struct BwdScratch : Scratch {
     float *dk, *dv;
-    BwdScratch(const AttentionInputs& in, int64_t bs, KVGradBuffers& g) : Scratch(in, bs) {
-      std::tie(dk, dv) = g.claim();
+    BwdScratch(const AttentionInputs& in, int64_t bs, KVGradBuffers& g, int64_t w) : Scratch(in, bs) {
+      std::tie(dk, dv) = g.claim(w);
     }
   };
-  parallel_dynamic(items, [&] { return BwdScratch(in, block_size, grads); }, [&](int64_t item, BwdScratch& sc) {
+  parallel_strided(items, [&](int64_t w) { return BwdScratch(in, block_size, grads, w); }, [&](int64_t item, BwdScratch& sc) {
     const int64_t i = item % P.Qb, h = (item / P.Qb) % in.Hq, b = item / (P.Qb * in.Hq);
     const int64_t s0 = i * block_size, M = std::min(block_size, in.S - s0), g = h / in.G;
     const int64_t first = in.q_start[b] + s0, Mp = sc.Mp, ld_q = in.Hq * Dk, ld_o = in.Hq * Dv;

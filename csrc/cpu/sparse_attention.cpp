@@ -438,12 +438,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
 
   struct BwdScratch : Scratch {
     float *dk, *dv;
-    BwdScratch(const AttentionInputs& in, int64_t topk, int64_t QB, int64_t C, KVGradBuffers& g)
+    BwdScratch(const AttentionInputs& in, int64_t topk, int64_t QB, int64_t C, KVGradBuffers& g, int64_t w)
         : Scratch(in, topk, QB, C) {
-      std::tie(dk, dv) = g.claim();
+      std::tie(dk, dv) = g.claim(w);
     }
   };
-  parallel_dynamic(in.B * n_blocks, [&] { return BwdScratch(in, topk, QB, C, grads); }, [&](int64_t item, BwdScratch& sc) {
+  parallel_strided(in.B * n_blocks, [&](int64_t w) { return BwdScratch(in, topk, QB, C, grads, w); }, [&](int64_t item, BwdScratch& sc) {
     const int64_t b = item / n_blocks, s0 = item % n_blocks * QB, nq = std::min(QB, in.S - s0);
     const Layout& L = sc.lay;
     group_block_keys(in, kb, idx, topk, causal, b, s0, nq, sc);
