@@ -14,7 +14,7 @@ import torch
 
 from models.glm5.config import preset
 from profiling import cli
-from training.parse_reward import line_parses
+from training.parse_reward import line_parses, sample
 from training.stage_runner import run_stages
 from training.stages import StageSpecError, parse_stages
 
@@ -94,6 +94,18 @@ def test_stage_trains_only_its_part(tmp_path):
     # the general stage trains everything but the (zero-initialised) adapters: B stays exactly 0
     lora_b = [p for n, p in trainer.model.named_parameters() if n.endswith(".lora_B")]
     assert lora_b and all(torch.count_nonzero(p) == 0 for p in lora_b)
+
+
+def test_sampling_stays_in_the_byte_range():
+    """The tiny preset's vocabulary is 512 ids; a sampled id >= 256 crashed the
+    reward (bytes() of it) in examples/stages.toml's reward stage."""
+    def model(ids):  # every id but 300 impossible
+        logits = torch.full((*ids.shape, 512), -1e9)
+        logits[..., 300] = 0.0
+        logits[..., 10] = -5.0
+        return logits
+    out, lengths = sample(model, torch.full((3, 4), 97), 6, torch.Generator().manual_seed(0))
+    assert out.max() < 256 and (out == 10).all() and lengths.tolist() == [1, 1, 1]
 
 
 def test_line_parses():

@@ -16,6 +16,10 @@ import torch
 import torch.nn.functional as F
 
 NEWLINE = ord("\n")
+# The model is byte-level but its vocabulary can be larger (the tiny preset has 512 ids):
+# sampling and the policy's log-probabilities are over the 256 byte ids only, so every
+# sampled line is bytes.
+BYTES = 256
 
 
 def line_parses(line: bytes) -> bool:
@@ -46,7 +50,7 @@ def sample(model, prompt: torch.Tensor, max_new: int, gen: torch.Generator) -> t
     through the first newline (max_new + 1 when none came: cut off)."""
     ids = prompt
     for _ in range(max_new):
-        logits = model(ids)[:, -1].float()
+        logits = model(ids)[:, -1, :BYTES].float()
         nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=gen)
         ids = torch.cat([ids, nxt], 1)
     out = ids[:, prompt.shape[1]:]
@@ -80,7 +84,7 @@ def policy_gradient_step(model, optimizer, data: torch.Tensor, *, samples: int, 
     advantage = r - r.mean()
     if advantage.abs().sum() > 0:
         ids = torch.cat([p, comp], 1)
-        logp = F.log_softmax(model(ids[:, :-1]).float(), -1)
+        logp = F.log_softmax(model(ids[:, :-1])[..., :BYTES].float(), -1)
         taken = logp[:, prompt - 1:].gather(-1, comp.unsqueeze(-1)).squeeze(-1)   # [B, completion]
         mask = torch.arange(comp.shape[1]).unsqueeze(0) < lengths.clamp(max=comp.shape[1]).unsqueeze(1)
         loss = -(advantage * (taken * mask).sum(1)).mean()
