@@ -46,7 +46,8 @@ def test_expert_range_and_one_rank_group():
         torch.testing.assert_close(ep_fused_moe(x, wgu, wd, w, ids, num_experts=4),
                                    glm5_ops.fused_moe(x, wgu, wd, w, ids), rtol=1e-5, atol=1e-6)
         with pytest.raises(ValueError, match=r"ids must hold global expert ids of num_experts=4"):
-            ep_fused_moe(x, wgu, wd, w, ids + 1, num_experts=4)
+            # every id out of range: ids + 1 left it in range whenever the unseeded draw held no 3
+            ep_fused_moe(x, wgu, wd, w, ids + 4, num_experts=4)
         with pytest.raises(ValueError, match=r"w_gate_up_local must hold this rank's 4 experts"):
             ep_fused_moe(x, wgu[:2], wd[:2], w, ids, num_experts=4)
     finally:
