@@ -262,6 +262,14 @@ def bench_model(a) -> dict:
     return res
 
 
+def write_results(res: dict, out: str | None, log=log) -> None:
+    """The run's results as JSON at `out` (nothing when None)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=1, default=str))
+        log(f"wrote {out}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
@@ -281,10 +289,7 @@ def main(argv=None):
     res = {"args": vars(a), "ops": bench_ops(a)}
     if not a.skip_model:
         res["model"] = bench_model(a)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1, default=str))
-        log(f"wrote {a.out}")
+    write_results(res, a.out)
     return res
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.int8_bench import interleaved  # noqa: E402
+from bench.int8_bench import interleaved, write_results  # noqa: E402
 from bench.int8_quality import add_model_args, loss_of, trained_model_and_rows  # noqa: E402
 from models.glm5 import GLM5ForCausalLM, preset, quantize  # noqa: E402
 from models.glm5.moe import Experts  # noqa: E402
@@ -217,10 +216,7 @@ def main(argv=None):
     if not a.skip_quality:
         res["quality"] = bench_quality(a)
     print(table(res), flush=True)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1, default=str))
-        log(f"wrote {a.out}")
+    write_results(res, a.out, log)
     return res
 
 

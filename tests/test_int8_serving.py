@@ -9,25 +9,13 @@ from argparse import Namespace
 import pytest
 import torch
 
-from models.glm5 import GLM5ForCausalLM, preset, quantize
+from models.glm5 import quantize
 from models.glm5.generate import generate
 from models.glm5.quantization import Int8Experts, Int8Linear
 from profiling.args import UsageError, check_quantization
 from profiling.cli import main
 from serving import Engine, SamplingParams
-
-
-def _model(seed=0):
-    """tiny, weights of std 1/sqrt(fan_in) (tests/test_serving_engine.py): O(1)
-    activations, so a wrong page or a wrong int8 row changes the tokens."""
-    torch.manual_seed(seed)
-    model = GLM5ForCausalLM(preset("tiny"), attn="dsa").eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-    return model
+from server_helpers import scaled_model
 
 
 def _prompts(vocab, n, seed=1):
@@ -42,8 +30,8 @@ def _alone(model, prompt, max_tokens):
 
 @pytest.mark.parametrize("mode", ["int8_weight_only", "w8a8"])
 def test_engine_serves_the_int8_model_with_its_own_tokens(mode):
-    float_model = _model()
-    reference = quantize(_model(), mode)     # the int8 model alone, through generate()
+    float_model = scaled_model()
+    reference = quantize(scaled_model(), mode)     # the int8 model alone, through generate()
     engine = Engine(float_model, quantization=mode, max_num_seqs=8, max_num_batched_tokens=256, num_pages=64,
                     page_size=16, log=False)
     assert engine.model is float_model and isinstance(float_model.model.layers[0].self_attn.o_proj, Int8Linear)
@@ -63,18 +51,18 @@ def test_engine_serves_the_int8_model_with_its_own_tokens(mode):
     assert served == alone
     assert engine.stats()["quantization"] == mode
     # the float model gives other tokens: the comparison can fail
-    assert [_alone(_model(), p, 8) for p in prompts] != alone
+    assert [_alone(scaled_model(), p, 8) for p in prompts] != alone
 
 
 def test_engine_quantization_argument_errors():
     with pytest.raises(ValueError, match=r"quantization must be None or one of .*got 'int4'"):
-        Engine(_model(), quantization="int4", num_pages=8, log=False)
-    q = quantize(_model(), "int8_weight_only")
+        Engine(scaled_model(), quantization="int4", num_pages=8, log=False)
+    q = quantize(scaled_model(), "int8_weight_only")
     assert Engine(q, quantization="int8_weight_only", num_pages=8, log=False).quantization == "int8_weight_only"
     assert Engine(q, num_pages=8, log=False).quantization == "int8_weight_only"   # a quantised model says so
     with pytest.raises(ValueError, match="already quantised as 'int8_weight_only'"):
         Engine(q, quantization="w8a8", num_pages=8, log=False)
-    assert "quantization" not in Engine(_model(), num_pages=8, log=False).stats()
+    assert "quantization" not in Engine(scaled_model(), num_pages=8, log=False).stats()
 
 
 def test_quantization_needs_the_cpu():
