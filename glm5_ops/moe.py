@@ -58,7 +58,7 @@ MAX_EXPERTS = 1 << 20
 # moe_dispatch's bound on align: a block GEMM's row tile (GLM-5's kernels use 16..256). Each
 # expert with a token pads to a multiple of align, so align alone can ask for align rows from
 # one token (2^31 - 1 tried to allocate 16 GiB); bounded, x_sorted is at most MAX_ALIGN times x.
-# The raw op (csrc/checks.h) bounds align only by the int32 row count below.
+# The raw op (csrc/checks.h) states the same bound.
 MAX_ALIGN = 1 << 12
 
 

@@ -43,6 +43,8 @@ import tomllib
 
 import torch
 
+from training.train import stdlib_py_files
+
 STAGE_DEFAULTS = dict(kind="lm", exclude=[], steps=20, seq=128, batch=8, lr=1e-3, train="all", attn="dsa",
                       samples=16, completion=48, prompt=64)
 KINDS, TRAINS, ATTNS = ("lm", "parse"), ("all", "lora"), ("dense", "dsa")
@@ -110,28 +112,13 @@ def load_stages(path: str) -> dict:
 
 # -- data --------------------------------------------------------------------------
 
-def _stdlib_files(package: str | None, exclude) -> list[str]:
-    root = sysconfig.get_paths()["stdlib"]
-    top = os.path.join(root, package) if package else root
-    paths = []
-    for dirpath, dirnames, filenames in os.walk(top):
-        rel = os.path.relpath(dirpath, root).split(os.sep)
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "test", "tests")
-                             and not (dirpath == root and d in exclude))
-        if package is None and rel[0] in exclude:
-            continue
-        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")
-                  and not (dirpath == root and f[:-3] in exclude)]
-    return sorted(paths)
-
-
 def stage_data(spec: str, exclude=(), max_bytes: int = 8 << 20) -> torch.Tensor:
     """The bytes a stage reads (uint8 [N]): 'stdlib' (without `exclude`), 'stdlib:PKG' or a path."""
     if spec == "stdlib" or spec.startswith("stdlib:"):
         package = spec.split(":", 1)[1] if ":" in spec else None
         if package is not None and not os.path.isdir(os.path.join(sysconfig.get_paths()["stdlib"], package)):
             raise StageSpecError(f"data: {spec!r}: the standard library has no package {package!r}")
-        paths = _stdlib_files(package, set(exclude))
+        paths = stdlib_py_files(package, set(exclude), skip_dirs=("site-packages", "__pycache__", "test", "tests"))
     elif os.path.isfile(spec):
         paths = [spec]
     elif os.path.isdir(spec):

@@ -27,15 +27,28 @@ from training.byte_lm import ByteLM, ByteLMConfig
 from training.memory_policy import MemoryPolicy, apply_memory_policy
 
 
+def stdlib_py_files(package: str | None = None, exclude=(), skip_dirs=("site-packages", "__pycache__")) -> list[str]:
+    """The standard library's .py files in sorted path order: all of them, or one
+    package's; `exclude` drops top-level packages and modules by name, `skip_dirs`
+    directories of those names at any depth."""
+    root = sysconfig.get_paths()["stdlib"]
+    top = os.path.join(root, package) if package else root
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(top):
+        rel = os.path.relpath(dirpath, root).split(os.sep)
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not (dirpath == root and d in exclude))
+        if package is None and rel[0] in exclude:
+            continue
+        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")
+                  and not (dirpath == root and f[:-3] in exclude)]
+    return sorted(paths)
+
+
 def load_corpus(max_bytes: int) -> torch.Tensor:
     """The stdlib's .py files in sorted path order, concatenated, up to max_bytes: uint8 [N]."""
     root = sysconfig.get_paths()["stdlib"]
-    paths = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
-        paths += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
     chunks, total = [], 0
-    for p in sorted(paths):
+    for p in stdlib_py_files():
         with open(p, "rb") as f:
             b = f.read()
         chunks.append(b)
