@@ -54,7 +54,8 @@ from models.glm5.config import preset                       # noqa: E402
 from training.lora import LoraConfig, apply_lora            # noqa: E402
 from training.meta_init import seeded_init                  # noqa: E402
 from training.pipeline import lm_loss                       # noqa: E402
-from training.stages import _stdlib_files, split_held_out, stage_data   # noqa: E402
+from training.stages import STAGE_SKIP_DIRS, split_held_out, stage_data   # noqa: E402
+from training.train import stdlib_py_files   # noqa: E402
 from training.train import batch as sample_batch            # noqa: E402
 
 ATTENTION = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]   # examples/stages.toml's
@@ -95,7 +96,7 @@ def identifier_mask(source: bytes) -> torch.Tensor:
 
 def package_split(package: str, held_fraction: float) -> tuple[list[str], list[str]]:
     """(training files, held-out files): the last files in sorted order holding >= held_fraction of the bytes."""
-    paths = _stdlib_files(package, set())
+    paths = stdlib_py_files(package, skip_dirs=STAGE_SKIP_DIRS)
     total, acc, k = sum(os.path.getsize(p) for p in paths), 0, 0
     while acc < held_fraction * total and k < len(paths) - 1:
         k += 1

@@ -45,6 +45,8 @@ import torch
 
 from training.train import stdlib_py_files
 
+# Directories a stage never reads: installed packages, caches, and the stdlib's own test suites.
+STAGE_SKIP_DIRS = ("site-packages", "__pycache__", "test", "tests")
 STAGE_DEFAULTS = dict(kind="lm", exclude=[], steps=20, seq=128, batch=8, lr=1e-3, train="all", attn="dsa",
                       samples=16, completion=48, prompt=64)
 KINDS, TRAINS, ATTNS = ("lm", "parse"), ("all", "lora"), ("dense", "dsa")
@@ -118,7 +120,7 @@ def stage_data(spec: str, exclude=(), max_bytes: int = 8 << 20) -> torch.Tensor:
         package = spec.split(":", 1)[1] if ":" in spec else None
         if package is not None and not os.path.isdir(os.path.join(sysconfig.get_paths()["stdlib"], package)):
             raise StageSpecError(f"data: {spec!r}: the standard library has no package {package!r}")
-        paths = stdlib_py_files(package, set(exclude), skip_dirs=("site-packages", "__pycache__", "test", "tests"))
+        paths = stdlib_py_files(package, set(exclude), skip_dirs=STAGE_SKIP_DIRS)
     elif os.path.isfile(spec):
         paths = [spec]
     elif os.path.isdir(spec):
