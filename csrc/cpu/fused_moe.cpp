@@ -182,6 +182,11 @@ void to_acc(const S* src, A* dst, int64_t n) {
 // workers costs more (and, on a shared machine, waits for a busy core's time
 // slice: ~10 ms measured under load at E=16, D=128). 2^24 FLOPs: ~0.2 ms on one core.
 constexpr int64_t kSerialFlops = int64_t(1) << 24;
+// ...and below this many weight bytes. Decode is the other way round: at T=1
+// the 6 chosen experts are few FLOPs but megabytes of weights, and one thread
+// streams about half the machine's read bandwidth (fused_moe fp32 at T=1 on
+// the small preset: 13.8 GB/s serial).
+constexpr int64_t kSerialBytes = int64_t(1) << 19;
 
 template <typename MakeScratch, typename Body>
 void run_items(int64_t n, bool serial, MakeScratch make_scratch, Body body) {
@@ -296,7 +301,9 @@ void fwd_kernel(const Plan& p, const Shapes& sh, const scalar_t* xp, const scala
   const Workspace y_buf(p.N * D * sizeof(acc_t));
   acc_t* const y_sorted = y_buf.as<acc_t>();
   using Vec = at::vec::Vectorized<acc_t>;
-  const bool serial = 6 * p.N * D * I < kSerialFlops;
+  int64_t experts_used = 0;
+  for (int64_t e = 0; e < p.E; ++e) experts_used += p.rows(e) > 0;
+  const bool serial = 6 * p.N * D * I < kSerialFlops && experts_used * 3 * I * D * int64_t(sizeof(scalar_t)) < kSerialBytes;
   run_items(static_cast<int64_t>(items.size()), serial, [] { return Scratch<acc_t>(); },
             [&](int64_t it, Scratch<acc_t>& s) {
     const Item& item = items[it];
