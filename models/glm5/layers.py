@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import glm5_ops
@@ -25,9 +26,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # transformers' order: normalise in fp32, round to x's dtype, then the
+        # weight. F.rms_norm does the normalising in one call (a decode step
+        # runs 33 norms: 6 dispatches each before, 2 now).
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
