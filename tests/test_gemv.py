@@ -108,8 +108,8 @@ def test_model_linear_layers_take_gemv_at_decode(monkeypatch):
     assert all(isinstance(m, torch.nn.Linear) for m in model.modules() if isinstance(m, Linear))
     assert "lm_head.weight" in model.state_dict() and "model.layers.0.self_attn.q_a_proj.weight" in model.state_dict()
     calls = []
-    real = glm5_ops.linear_module.gemv
-    monkeypatch.setattr(glm5_ops.linear_module, "gemv", lambda *a: calls.append(a[1].shape) or real(*a))
+    real = glm5_ops.linear_module._gemv_kernel
+    monkeypatch.setattr(glm5_ops.linear_module, "_gemv_kernel", lambda *a: calls.append(a[1].shape) or real(*a))
     ids = torch.randint(0, model.config.vocab_size, (1, 6))
     with torch.no_grad():
         cache = model.new_cache(1, 16)
