@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -45,10 +46,38 @@ def engine(model, **kwargs):
     return Engine(model, log=False, **kwargs)
 
 
-def measure(model, requests, *, rate=float("inf"), **engine_kwargs):
+def measure(model, requests, *, rate=float("inf"), trace=False, **engine_kwargs):
+    """(metrics, engine stats); with trace, the stats also hold `schedule` (each
+    step's (request, start, tokens) chunks) and `page_seconds` (time inside the
+    page manager, where the prefix cache's hashing and lookups run)."""
     eng = engine(model, **engine_kwargs)
+    schedule, page_seconds = ([], [0.0]) if trace else (None, None)
+    if trace:
+        _trace_engine(eng, schedule, page_seconds)
     records = run_offline(eng, requests, request_rate=rate, progress=True)
-    return compute_metrics(records), eng.stats()
+    stats = eng.stats()
+    if trace:
+        stats.update(schedule=schedule, page_seconds=page_seconds[0])
+    return compute_metrics(records), stats
+
+
+def _trace_engine(eng, schedule: list, page_seconds: list) -> None:
+    """Records every step's chunks and times the page manager's calls (instance attributes shadow the methods)."""
+    bm, sched = eng.block_manager, eng.scheduler
+    for name in ("get_computed_prefix", "allocate_slots", "reserve_slots", "cache_full_pages", "free"):
+        def timed(*a, _f=getattr(bm, name), **k):
+            t0 = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                page_seconds[0] += time.perf_counter() - t0
+        setattr(bm, name, timed)
+
+    def schedule_and_record(_f=sched.schedule):
+        out = _f()
+        schedule.append(tuple((c.request.request_id, c.start, c.num_tokens) for c in out.scheduled))
+        return out
+    sched.schedule = schedule_and_record
 
 
 def batching(model, args):
@@ -135,16 +164,29 @@ def prefix_cache(model, args):
                                           output_len=16, vocab_size=model.config.vocab_size, seed=0,
                                           distinct_prefixes=distinct)
         # 0% hits: all at once (saturated), where a cost of the cache's bookkeeping would show in
-        # tokens/s; alternating twice each (the host drifts), the best of each kept
-        for caching in (False, True, False, True) if distinct else (False, True):
-            m, s = measure(model, reqs, rate=float("inf") if distinct else args.request_rate,
+        # tokens/s; alternated --zero-hit-pairs times (the host drifts), the median of each kept.
+        # Each run also records its schedule and its time in the page manager: equal schedules
+        # and the page manager's share of the run bound the cache's cost whatever the host's noise.
+        pairs = [(False, True) if i % 2 == 0 else (True, False) for i in range(args.zero_hit_pairs)]
+        runs = {}
+        for caching in [c for pair in pairs for c in pair] if distinct else (False, True):
+            m, s = measure(model, reqs, rate=float("inf") if distinct else args.request_rate, trace=distinct,
                            enable_prefix_caching=caching, max_num_seqs=len(reqs), max_num_batched_tokens=2048)
             key = f"{'distinct' if distinct else 'shared'}_{'on' if caching else 'off'}"
-            run = {"mean_ttft_ms": m["mean_ttft_ms"], "median_ttft_ms": m["median_ttft_ms"],
-                   "total_token_throughput": m["total_token_throughput"], "duration": m["duration"],
-                   "hit_rate": s["prefix_cache_hit_rate"]}
-            if key not in out or run["total_token_throughput"] > out[key]["total_token_throughput"]:
-                out[key] = run
+            runs.setdefault(key, []).append(dict(
+                mean_ttft_ms=m["mean_ttft_ms"], median_ttft_ms=m["median_ttft_ms"],
+                total_token_throughput=m["total_token_throughput"], duration=m["duration"],
+                hit_rate=s["prefix_cache_hit_rate"], steps=s["steps"],
+                **({"page_seconds": s["page_seconds"], "schedule": s["schedule"]} if distinct else {})))
+        for key, rs in runs.items():
+            median = sorted(rs, key=lambda r: r["total_token_throughput"])[(len(rs) - 1) // 2]
+            out[key] = {k: v for k, v in median.items() if k != "schedule"}
+            out[key]["throughputs"] = [r["total_token_throughput"] for r in rs]
+        if distinct:
+            schedules = {tuple(r["schedule"]) for rs in runs.values() for r in rs}
+            out["zero_hit_same_schedule"] = len(schedules) == 1
+            out["zero_hit_page_share"] = {key: statistics.median(r["page_seconds"] / r["duration"] for r in rs)
+                                          for key, rs in runs.items()}
     hit = out["shared_on"]["hit_rate"]
     out["hit_rate"] = hit
     out["ttft_reduction"] = 1 - out["shared_on"]["mean_ttft_ms"] / out["shared_off"]["mean_ttft_ms"]
@@ -196,6 +238,7 @@ def main(argv=None):
     p.add_argument("--itl-steps", type=int, default=40)
     p.add_argument("--long-tokens", type=int, default=16384)
     p.add_argument("--request-rate", type=float, default=0.5, help="prefix-cache: requests/s (Poisson)")
+    p.add_argument("--zero-hit-pairs", type=int, default=2, help="prefix-cache: on/off pairs at a 0%% hit rate")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
     if args.threads:
