@@ -59,12 +59,13 @@ def step_shapes(cfg, rows: int) -> dict:
 
 
 def engine_with(model, n: int, steps: int) -> Engine:
-    eng = Engine(model, max_num_seqs=n, max_num_batched_tokens=max(2048, n), kv_cache_memory="2GiB", log=False)
+    eng = Engine(model, max_num_seqs=n, max_num_batched_tokens=n * PROMPT, kv_cache_memory="2GiB", log=False)
     g = torch.Generator().manual_seed(n)
     for i in range(n):
         eng.add_request(f"r{i}", torch.randint(0, model.config.vocab_size, (PROMPT,), generator=g).tolist(),
                         SamplingParams(max_tokens=2 * steps + 4, temperature=0))
-    eng.step()                                  # every prompt prefilled in one step
+    if len(eng.step()) != n:                    # every prompt prefilled in one step
+        raise RuntimeError(f"the first step should have prefilled all {n} prompts")
     eng.step()                                  # warm-up decode
     return eng
 

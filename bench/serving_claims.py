@@ -101,14 +101,16 @@ def batching(model, args):
 def decode_scaling(model, args):
     """Decode tokens/s with 32 sequences in flight against 1 (128-token prompts,
     prefill excluded: timed from the step after the last prefill)."""
-    out = {}
+    out, prompt = {}, 128
     for n in (1, 32):
-        eng = engine(model, max_num_seqs=n, max_num_batched_tokens=max(n, 2048))
+        # a budget of every prompt at once: one prefill step, then only decodes
+        eng = engine(model, max_num_seqs=n, max_num_batched_tokens=n * prompt)
         g = torch.Generator().manual_seed(n)
         for i in range(n):
-            eng.add_request(f"r{i}", torch.randint(0, model.config.vocab_size, (128,), generator=g).tolist(),
+            eng.add_request(f"r{i}", torch.randint(0, model.config.vocab_size, (prompt,), generator=g).tolist(),
                             SamplingParams(max_tokens=args.decode_tokens + 1, temperature=0))
-        eng.step()                                   # every prompt prefilled (one step: 32 x 128 <= 2048)
+        if len(eng.step()) != n:
+            raise RuntimeError(f"the first step should have prefilled all {n} prompts")
         tokens, t0 = 0, time.perf_counter()
         while eng.has_unfinished_requests():
             tokens += len(eng.step())
