@@ -181,3 +181,25 @@ def test_cpp_ops_guard_direct_calls():
         ops.fused_moe_fwd(x, wgu.half(), wd, w, ids)
     with pytest.raises(ValueError, match=r"dout must have shape \[T,D\]"):
         ops.fused_moe_bwd(x[:3], x, wgu, wd, w, ids)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU kernel's decode tiles")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_decode_token_alone_equals_it_in_a_small_batch(threads):
+    """A decode token's output is bit-for-bit the same alone and inside a batch
+    of 4 tokens (each expert then holds 1-4 rows: the matrix-vector tiles,
+    one chain per (row, output)), at 1 and 2 threads: the serving engine's
+    lone request and the same request in a busy step see the same numbers."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        E, D, I, k, T = 16, 96, 40, 4, 4
+        x, w = fresh(T, D, seed=1), fresh(T, k, seed=2).abs()
+        wgu, wd = fresh(E, 2 * I, D, seed=3), fresh(E, D, I, seed=4)
+        ids = _ids(T, E, k, "distinct", seed=5)
+        batch = ops.fused_moe_fwd(x, wgu, wd, w, ids)
+        for t in range(T):
+            alone = ops.fused_moe_fwd(x[t:t + 1], wgu, wd, w[t:t + 1], ids[t:t + 1])
+            assert torch.equal(alone[0], batch[t]), t
+    finally:
+        torch.set_num_threads(old)
