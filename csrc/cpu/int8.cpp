@@ -23,8 +23,9 @@
 // - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
 //   expert; when no expert has more than kGemvRows rows (decode, T <= 16 with
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
-//   (expert, row tile), silu(g)*u, then down likewise (each chosen expert's
-//   int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
+//   (expert, 8-row tile) items split evenly between the threads, prefetching
+//   across expert boundaries, silu(g)*u, then down likewise (each chosen
+//   expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
 //   by its row count. A gather by token sums its k slots in order
 //   (deterministic, no atomics).
 #include <ATen/ATen.h>
@@ -64,28 +65,74 @@ void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* sc
 }
 
 // For every expert e with rows [offsets[e], offsets[e+1]) of x (sorted pairs, [*, K]):
-// y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N]. One
-// parallel pass over all (expert, weight-row tile) pairs, each thread taking a
-// contiguous run of tiles: one fork/join per projection instead of one per expert,
-// and the threads stay busy across expert boundaries.
-void expert_gemv(const std::vector<int64_t>& offsets, const float* x, int64_t K, const int8_t* w,
-                 const float* scale, int64_t N, float* y) {
-  const int64_t per_expert = (N + kTileRows - 1) / kTileRows;
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e + 1 < int64_t(offsets.size()); ++e)
-    if (offsets[e + 1] > offsets[e]) active.push_back(e);
-  const int64_t tiles = int64_t(active.size()) * per_expert;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * std::max<int64_t>(K, 1)));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    while (t0 < t1) {   // the run of tiles [t0, t1) split at expert boundaries
-      const int64_t a = t0 / per_expert, first = t0 % per_expert;
-      const int64_t last = std::min(per_expert, first + (t1 - t0));
-      const int64_t e = active[a], r0 = offsets[e], n = offsets[e + 1] - r0;
-      gemv::rows<int8_t>(x + r0 * K, K, n, K, w + e * N * K, scale + e * N, nullptr, first * kTileRows,
-                         std::min(N, last * kTileRows), y + r0 * N, N);
-      t0 += last - first;
+// y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N].
+// The work is one flat list of (chosen expert, 8-row weight tile) items, all of
+// equal bytes, split evenly between the threads: one fork/join per projection,
+// and the threads stay busy across expert boundaries. Each item prefetches the
+// item gemv::kPrefetchMinBytes ahead in the thread's own run, also across an
+// expert boundary (gemv::rows, called per expert, stopped prefetching at the end
+// of each expert, so every expert's stream started cold; bench/RESULTS.md has the
+// A/B). Tiles are gemv_tiles.h's, so each y[r, n] is bit-for-bit what gemv::rows
+// gives (one accumulator chain per (row, n)), whatever the split.
+struct ExpertTiles {
+  const std::vector<int64_t>& offsets;
+  const std::vector<int64_t>& active;   // experts with at least one row, ascending
+  const float* x;
+  int64_t K;
+  const int8_t* w;
+  const float* scale;
+  int64_t N;
+  float* y;
+  int64_t per_expert;   // tiles per expert
+  int64_t ahead;        // prefetch distance in tiles (0: none)
+
+  const int8_t* tile_weights(int64_t t) const {
+    return w + active[t / per_expert] * N * K + (t % per_expert) * kTileRows * K;
+  }
+
+  void run(int64_t t0, int64_t t1) const {
+    float out[8][4];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / per_expert], n = (t % per_expert) * kTileRows;
+      const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
+      const int nb = int(std::min<int64_t>(kTileRows, N - n));
+      const int8_t* wr[8];
+      for (int j = 0; j < nb; ++j) wr[j] = w + (e * N + n + j) * K;
+      const int64_t tp = t + ahead;   // prefetch only full tiles (a tail tile is the last of its expert)
+      const char* pf = ahead > 0 && tp < t1 && (tp % per_expert + 1) * kTileRows <= N
+                           ? reinterpret_cast<const char*>(tile_weights(tp)) : nullptr;
+      const int mstep = M <= 2 ? 2 : 4;   // gemv::rows's shapes: 8 x (1|2), else 4 x 4
+      for (int64_t m0 = 0; m0 < M; m0 += mstep) {
+        const int mb = int(std::min<int64_t>(mstep, M - m0));
+        const float* xr[4];
+        for (int i = 0; i < mb; ++i) xr[i] = x + (r0 + m0 + i) * K;
+        const char* p = m0 == 0 ? pf : nullptr;
+        if (nb == 8 && mstep == 2) {
+          gemv::tile_any(8, mb, xr, wr, K, out, p);
+        } else if (nb == 8) {
+          gemv::tile_any(4, mb, xr, wr, K, out, p);
+          gemv::tile_any(4, mb, xr, wr + 4, K, out + 4, p ? p + 4 * K : nullptr);
+        } else {
+          for (int j = 0; j < nb; ++j) gemv::tile_any(1, mb, xr, wr + j, K, out + j);
+        }
+        const float* sc = scale + e * N + n;
+        for (int j = 0; j < nb; ++j)
+          for (int i = 0; i < mb; ++i) y[(r0 + m0 + i) * N + n + j] = out[j][i] * sc[j];
+      }
     }
-  });
+  }
+};
+
+void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
+                 const int8_t* w, const float* scale, int64_t N, float* y) {
+  const int64_t per_expert = (N + kTileRows - 1) / kTileRows;
+  const int64_t tile_bytes = kTileRows * std::max<int64_t>(K, 1);
+  // gemv::rows's rule: rows longer than kPrefetchMaxRowBytes stream well enough on their own.
+  const int64_t ahead = K > gemv::kPrefetchMaxRowBytes ? 0 : (gemv::kPrefetchMinBytes + tile_bytes - 1) / tile_bytes;
+  const ExpertTiles job{offsets, active, x, K, w, scale, N, y, per_expert, ahead};
+  const int64_t tiles = int64_t(active.size()) * per_expert;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
 }
 
 // w[N,K] int8 * scale[N] -> [N,K] of `dtype`.
@@ -241,10 +288,13 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
     auto xs = at::empty({T * k, D}, x.options());
     float* xsp = xs.data_ptr<float>();
     for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);
+    std::vector<int64_t> active;
+    for (int64_t e = 0; e < E; ++e)
+      if (offsets[e + 1] > offsets[e]) active.push_back(e);
     auto h = at::empty({T * k, I2}, x.options());
-    expert_gemv(offsets, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>());
+    expert_gemv(offsets, active, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>());
     const at::Tensor a = (at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I)).contiguous();
-    expert_gemv(offsets, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys);
+    expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys);
   } else {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
