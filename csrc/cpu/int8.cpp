@@ -64,16 +64,47 @@ void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* sc
   });
 }
 
+#if defined(__AVX512F__)
+// One int8 weight row read start to end against MB activation rows, 4 accumulator
+// chains of 16 lanes per activation row (fixed order: a row's result does not
+// depend on MB). The decode MoE's rows are short (1024 B gate/up, 256 B down): a
+// thread reading them one after another is one sequential stream that the
+// hardware prefetcher follows, where gemv_tiles.h's 8 rows side by side are 8
+// short streams; measured 64-68% against 54-60% of the sum bandwidth at T=1/4
+// (bench/RESULTS.md).
+template <int MB>
+inline void row_seq(const float* const* x, const int8_t* w, int64_t K, float* out) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+  auto widen = [](__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); };
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    __m512 wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16 * c)));
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_fmadd_ps(wv[c], _mm512_loadu_ps(x[m] + k + 16 * c), acc[m][c]);
+  }
+  for (int c = 0; k < K; k += 16, ++c) {
+    const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
+    const __m512 wv = widen(_mm_maskz_loadu_epi8(mask, w + k));
+    for (int m = 0; m < MB; ++m) acc[m][c] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x[m] + k), acc[m][c]);
+  }
+  for (int m = 0; m < MB; ++m)
+    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+#endif
+
 // For every expert e with rows [offsets[e], offsets[e+1]) of x (sorted pairs, [*, K]):
 // y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N].
 // The work is one flat list of (chosen expert, 8-row weight tile) items, all of
 // equal bytes, split evenly between the threads: one fork/join per projection,
-// and the threads stay busy across expert boundaries. Each item prefetches the
-// item gemv::kPrefetchMinBytes ahead in the thread's own run, also across an
-// expert boundary (gemv::rows, called per expert, stopped prefetching at the end
-// of each expert, so every expert's stream started cold; bench/RESULTS.md has the
-// A/B). Tiles are gemv_tiles.h's, so each y[r, n] is bit-for-bit what gemv::rows
-// gives (one accumulator chain per (row, n)), whatever the split.
+// and the threads stay busy across expert boundaries. With AVX-512 each item's
+// 8 rows are read one after another (row_seq); otherwise gemv_tiles.h's tiles,
+// each prefetching the item gemv::kPrefetchMinBytes ahead in the thread's own
+// run, also across an expert boundary (gemv::rows, called per expert, stopped at
+// each expert's end). Either way each y[r, n] has one fixed chain order: the same
+// bits whatever the thread split or the other rows of the batch.
 struct ExpertTiles {
   const std::vector<int64_t>& offsets;
   const std::vector<int64_t>& active;   // experts with at least one row, ascending
@@ -89,6 +120,34 @@ struct ExpertTiles {
   const int8_t* tile_weights(int64_t t) const {
     return w + active[t / per_expert] * N * K + (t % per_expert) * kTileRows * K;
   }
+
+#if defined(__AVX512F__)
+  // The items' rows one at a time (row_seq): the AVX-512 decode path.
+  void run_rows(int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / per_expert], n0 = (t % per_expert) * kTileRows;
+      const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
+      for (int64_t n = n0; n < std::min(N, n0 + kTileRows); ++n) {
+        const int8_t* wr = w + (e * N + n) * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int mb = int(std::min<int64_t>(4, M - m0));
+          const float* xr[4];
+          float out[4];
+          for (int i = 0; i < mb; ++i) xr[i] = x + (r0 + m0 + i) * K;
+          switch (mb) {
+            case 1: row_seq<1>(xr, wr, K, out); break;
+            case 2: row_seq<2>(xr, wr, K, out); break;
+            case 3: row_seq<3>(xr, wr, K, out); break;
+            default: row_seq<4>(xr, wr, K, out); break;
+          }
+          for (int i = 0; i < mb; ++i) y[(r0 + m0 + i) * N + n] = out[i] * scale[e * N + n];
+        }
+      }
+    }
+  }
+#endif
+
+  // Portable path: gemv_tiles.h's tiles, 8 rows side by side, prefetching across experts.
 
   void run(int64_t t0, int64_t t1) const {
     float out[8][4];
@@ -132,7 +191,11 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
   const ExpertTiles job{offsets, active, x, K, w, scale, N, y, per_expert, ahead};
   const int64_t tiles = int64_t(active.size()) * per_expert;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
+#if defined(__AVX512F__)
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
+#else
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
+#endif
 }
 
 // w[N,K] int8 * scale[N] -> [N,K] of `dtype`.
