@@ -23,9 +23,9 @@
 // - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
 //   expert; when no expert has more than kGemvRows rows (decode, T <= 16 with
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
-//   (expert, 8-row tile) items split evenly between the threads, prefetching
-//   across expert boundaries, silu(g)*u, then down likewise (each chosen
-//   expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
+//   (expert, 8-row tile) items split evenly between the threads (with AVX-512
+//   each item's rows read one after another: one sequential stream per thread),
+//   silu(g)*u, then down likewise (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
 //   by its row count. A gather by token sums its k slots in order
 //   (deterministic, no atomics).
 #include <ATen/ATen.h>
