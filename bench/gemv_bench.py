@@ -1,7 +1,7 @@
 """Decode linear layers on the CPU: how close to the memory bandwidth each
 kernel streams the weights (bench/RESULTS.md, "Decode linear layers").
 
-    python bench/gemv_bench.py --threads 2 [--skip-model]
+    python bench/gemv_bench.py --threads 2 [--skip-model] [--only moe]
 
 1. Read bandwidth: W.sum() over the same fp32 weight sets the kernels read.
 2. M=1 on the small preset's real shapes and the shapes of issue 23's probe:
@@ -9,7 +9,8 @@ kernel streams the weights (bench/RESULTS.md, "Decode linear layers").
    the weight bytes (int8: codes + scales) and the fraction of (1). Several
    weight sets are cycled so no call finds its weights in the 32 MiB L3.
 3. Rows sweep (the threshold in glm5_ops/plan.py): F.linear vs gemv, M = 1..32.
-4. fused_moe_int8 decode, T = 1, 4, 16: GB/s of the chosen experts' int8 bytes.
+4. fused_moe_int8 decode, T = 1, 4, 16: GB/s of the chosen experts' int8 bytes, a fresh
+   routing each call, cycled past twice the L3.
 5. Model: decode tokens/s of the preset at --context tokens, batch 1, fp32 / bf16 /
    int8_weight_only, with the linear layers on F.linear ("before": plan's
    GEMV_MAX_ROWS emptied) and on gemv ("after"), all in this one run.
@@ -115,15 +116,24 @@ def bench_moe(a, bw):
     for _ in range(sum(t == "sparse" for t in c.mlp_layer_types)):
         layers.append((*glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5),
                        *glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)))
+    expert_bytes = 3 * I * D + 4 * (2 * I + D)
     for T in (1, 4, 16):
+        # Every call routes afresh (new ids, layers in turn), and enough calls are cycled
+        # that the experts they touch exceed twice the L3: with one fixed routing the
+        # 6 layers' chosen experts at T=1 (27.6 MB) nearly fit the 32 MiB L3.
         g = torch.Generator().manual_seed(T)
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+        per_call = min(E, T * k) * expert_bytes
+        calls = []
+        while not calls or len(calls) < len(layers) or sum(n for _, _, n in calls) * expert_bytes < 2 * L3:
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+            calls.append((layers[len(calls) % len(layers)], ids, int(ids.unique().numel())))
         x, w = torch.randn(T, D), torch.rand(T, k)
-        n_exp = int(ids.unique().numel())
-        nbytes = n_exp * (3 * I * D + 4 * (2 * I + D))
-        t = median_time(cycling(lambda l: glm5_ops.fused_moe_int8(x, *l, w, ids), layers), 4 * len(layers))
-        print(f"fused_moe_int8 T={T} ({n_exp} experts): {t * 1e6:.0f} us, {nbytes / t / 1e9:.1f} GB/s, "
-              f"{nbytes / t / 1e9 / bw:.0%} of {bw:.1f} GB/s", flush=True)
+        n_exp = statistics.mean(n for _, _, n in calls)
+        nbytes = n_exp * expert_bytes
+        reps = max(len(calls), int(2e8 // per_call))
+        t = median_time(cycling(lambda c_: glm5_ops.fused_moe_int8(x, *c_[0], w, c_[1]), calls), reps)
+        print(f"fused_moe_int8 T={T} ({n_exp:.1f} experts, {len(calls)} routings cycled): {t * 1e6:.0f} us, "
+              f"{nbytes / t / 1e9:.1f} GB/s, {nbytes / t / 1e9 / bw:.0%} of {bw:.1f} GB/s", flush=True)
 
 
 def bench_model(a):
@@ -175,6 +185,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-ops", action="store_true")
+    p.add_argument("--only", choices=("ops", "rows", "moe", "model"), action="append",
+                   help="run only these parts (repeatable; default: all but what --skip-* leaves out)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -182,12 +194,13 @@ def main(argv=None):
     bw = big.nbytes / median_time(lambda: big.sum(), 3) / 1e9
     del big
     print(f"read bandwidth (fp32 sum of 256 MiB): {bw:.1f} GB/s\n")
-    if not a.skip_ops:
-        bench_ops(a)
-        bench_rows(a)
-        bench_moe(a, bw)
-    if not a.skip_model:
-        bench_model(a)
+    parts = set(a.only or ())
+    if not parts:
+        parts = ({"ops", "rows", "moe"} if not a.skip_ops else set()) | ({"model"} if not a.skip_model else set())
+    for name, fn in (("ops", bench_ops), ("rows", bench_rows), ("moe", lambda a_: bench_moe(a_, bw)),
+                     ("model", bench_model)):
+        if name in parts:
+            fn(a)
 
 
 if __name__ == "__main__":

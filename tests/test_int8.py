@@ -173,3 +173,30 @@ def test_cpp_ops_guard_direct_calls():
         ops.int8_linear(x, wgu[0], sgu[0, :3], None)
     with pytest.raises((TypeError, RuntimeError), match="int8"):
         ops.w8a8_linear(x, wgu[0].float(), sgu[0], None)
+
+
+def test_fused_moe_int8_decode_split_is_exact_and_thread_independent():
+    """The decode path's flat (expert, tile) split: experts with 0, 1, 2 and 5 rows (the 8x1/8x2
+    and the 4x4 tiles), an odd T, N and K off the 8-row tile and 16-lane grid, and enough tiles
+    that 2 threads really split both projections. 1 and 2 threads give the same bits, each
+    token's output is bit-for-bit the output of that token alone (a row does not depend on its
+    batch), and the whole agrees with the oracle."""
+    T, D, I, E = 7, 520, 37, 7
+    ids = torch.tensor([[2, 1], [2, 3], [2, 3], [2, 4], [2, 5], [6, 4], [5, 6]], dtype=torch.int32)
+    assert torch.bincount(ids.flatten(), minlength=E).tolist() == [0, 1, 5, 2, 2, 2, 2]
+    x, wgu, sgu, wd, sd, weights, _ = _moe_args(T, D, I, E, 2, torch.float32, seed=11)
+    ids = ids.to(x.device)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids))
+        alone = torch.cat([glm5_ops.fused_moe_int8(x[t:t + 1], wgu, sgu, wd, sd, weights[t:t + 1], ids[t:t + 1])
+                           for t in range(T)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1], alone)
+    torch.testing.assert_close(outs[1], ref.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids, w8a8=False),
+                               **_tol(torch.float32, D))

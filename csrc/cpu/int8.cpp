@@ -23,8 +23,9 @@
 // - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
 //   expert; when no expert has more than kGemvRows rows (decode, T <= 16 with
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
-//   (expert, row tile), silu(g)*u, then down likewise (each chosen expert's
-//   int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
+//   (expert, 8-row tile) items split evenly between the threads (with AVX-512
+//   each item's rows read one after another: one sequential stream per thread),
+//   silu(g)*u, then down likewise (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
 //   by its row count. A gather by token sums its k slots in order
 //   (deterministic, no atomics).
 #include <ATen/ATen.h>
@@ -63,29 +64,138 @@ void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* sc
   });
 }
 
+#if defined(__AVX512F__)
+// One int8 weight row read start to end against MB activation rows, 4 accumulator
+// chains of 16 lanes per activation row (fixed order: a row's result does not
+// depend on MB). The decode MoE's rows are short (1024 B gate/up, 256 B down): a
+// thread reading them one after another is one sequential stream that the
+// hardware prefetcher follows, where gemv_tiles.h's 8 rows side by side are 8
+// short streams; measured 64-68% against 54-60% of the sum bandwidth at T=1/4
+// (bench/RESULTS.md).
+template <int MB>
+inline void row_seq(const float* const* x, const int8_t* w, int64_t K, float* out) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+  auto widen = [](__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); };
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    __m512 wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16 * c)));
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_fmadd_ps(wv[c], _mm512_loadu_ps(x[m] + k + 16 * c), acc[m][c]);
+  }
+  for (int c = 0; k < K; k += 16, ++c) {
+    const __mmask16 mask = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
+    const __m512 wv = widen(_mm_maskz_loadu_epi8(mask, w + k));
+    for (int m = 0; m < MB; ++m) acc[m][c] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x[m] + k), acc[m][c]);
+  }
+  for (int m = 0; m < MB; ++m)
+    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3])));
+}
+#endif
+
 // For every expert e with rows [offsets[e], offsets[e+1]) of x (sorted pairs, [*, K]):
-// y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N]. One
-// parallel pass over all (expert, weight-row tile) pairs, each thread taking a
-// contiguous run of tiles: one fork/join per projection instead of one per expert,
-// and the threads stay busy across expert boundaries.
-void expert_gemv(const std::vector<int64_t>& offsets, const float* x, int64_t K, const int8_t* w,
-                 const float* scale, int64_t N, float* y) {
-  const int64_t per_expert = (N + kTileRows - 1) / kTileRows;
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e + 1 < int64_t(offsets.size()); ++e)
-    if (offsets[e + 1] > offsets[e]) active.push_back(e);
-  const int64_t tiles = int64_t(active.size()) * per_expert;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * std::max<int64_t>(K, 1)));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    while (t0 < t1) {   // the run of tiles [t0, t1) split at expert boundaries
-      const int64_t a = t0 / per_expert, first = t0 % per_expert;
-      const int64_t last = std::min(per_expert, first + (t1 - t0));
-      const int64_t e = active[a], r0 = offsets[e], n = offsets[e + 1] - r0;
-      gemv::rows<int8_t>(x + r0 * K, K, n, K, w + e * N * K, scale + e * N, nullptr, first * kTileRows,
-                         std::min(N, last * kTileRows), y + r0 * N, N);
-      t0 += last - first;
+// y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N].
+// The work is one flat list of (chosen expert, 8-row weight tile) items, all of
+// equal bytes, split evenly between the threads: one fork/join per projection,
+// and the threads stay busy across expert boundaries. With AVX-512 each item's
+// 8 rows are read one after another (row_seq); otherwise gemv_tiles.h's tiles,
+// each prefetching the item gemv::kPrefetchMinBytes ahead in the thread's own
+// run, also across an expert boundary (gemv::rows, called per expert, stopped at
+// each expert's end). Either way each y[r, n] has one fixed chain order: the same
+// bits whatever the thread split or the other rows of the batch.
+struct ExpertTiles {
+  const std::vector<int64_t>& offsets;
+  const std::vector<int64_t>& active;   // experts with at least one row, ascending
+  const float* x;
+  int64_t K;
+  const int8_t* w;
+  const float* scale;
+  int64_t N;
+  float* y;
+  int64_t per_expert;   // tiles per expert
+  int64_t ahead;        // prefetch distance in tiles (0: none)
+
+  const int8_t* tile_weights(int64_t t) const {
+    return w + active[t / per_expert] * N * K + (t % per_expert) * kTileRows * K;
+  }
+
+#if defined(__AVX512F__)
+  // The items' rows one at a time (row_seq): the AVX-512 decode path.
+  void run_rows(int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / per_expert], n0 = (t % per_expert) * kTileRows;
+      const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
+      for (int64_t n = n0; n < std::min(N, n0 + kTileRows); ++n) {
+        const int8_t* wr = w + (e * N + n) * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int mb = int(std::min<int64_t>(4, M - m0));
+          const float* xr[4];
+          float out[4];
+          for (int i = 0; i < mb; ++i) xr[i] = x + (r0 + m0 + i) * K;
+          switch (mb) {
+            case 1: row_seq<1>(xr, wr, K, out); break;
+            case 2: row_seq<2>(xr, wr, K, out); break;
+            case 3: row_seq<3>(xr, wr, K, out); break;
+            default: row_seq<4>(xr, wr, K, out); break;
+          }
+          for (int i = 0; i < mb; ++i) y[(r0 + m0 + i) * N + n] = out[i] * scale[e * N + n];
+        }
+      }
     }
-  });
+  }
+#endif
+
+  // Portable path: gemv_tiles.h's tiles, 8 rows side by side, prefetching across experts.
+
+  void run(int64_t t0, int64_t t1) const {
+    float out[8][4];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / per_expert], n = (t % per_expert) * kTileRows;
+      const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
+      const int nb = int(std::min<int64_t>(kTileRows, N - n));
+      const int8_t* wr[8];
+      for (int j = 0; j < nb; ++j) wr[j] = w + (e * N + n + j) * K;
+      const int64_t tp = t + ahead;   // prefetch only full tiles (a tail tile is the last of its expert)
+      const char* pf = ahead > 0 && tp < t1 && (tp % per_expert + 1) * kTileRows <= N
+                           ? reinterpret_cast<const char*>(tile_weights(tp)) : nullptr;
+      const int mstep = M <= 2 ? 2 : 4;   // gemv::rows's shapes: 8 x (1|2), else 4 x 4
+      for (int64_t m0 = 0; m0 < M; m0 += mstep) {
+        const int mb = int(std::min<int64_t>(mstep, M - m0));
+        const float* xr[4];
+        for (int i = 0; i < mb; ++i) xr[i] = x + (r0 + m0 + i) * K;
+        const char* p = m0 == 0 ? pf : nullptr;
+        if (nb == 8 && mstep == 2) {
+          gemv::tile_any(8, mb, xr, wr, K, out, p);
+        } else if (nb == 8) {
+          gemv::tile_any(4, mb, xr, wr, K, out, p);
+          gemv::tile_any(4, mb, xr, wr + 4, K, out + 4, p ? p + 4 * K : nullptr);
+        } else {
+          for (int j = 0; j < nb; ++j) gemv::tile_any(1, mb, xr, wr + j, K, out + j);
+        }
+        const float* sc = scale + e * N + n;
+        for (int j = 0; j < nb; ++j)
+          for (int i = 0; i < mb; ++i) y[(r0 + m0 + i) * N + n + j] = out[j][i] * sc[j];
+      }
+    }
+  }
+};
+
+void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
+                 const int8_t* w, const float* scale, int64_t N, float* y) {
+  const int64_t per_expert = (N + kTileRows - 1) / kTileRows;
+  const int64_t tile_bytes = kTileRows * std::max<int64_t>(K, 1);
+  // gemv::rows's rule: rows longer than kPrefetchMaxRowBytes stream well enough on their own.
+  const int64_t ahead = K > gemv::kPrefetchMaxRowBytes ? 0 : (gemv::kPrefetchMinBytes + tile_bytes - 1) / tile_bytes;
+  const ExpertTiles job{offsets, active, x, K, w, scale, N, y, per_expert, ahead};
+  const int64_t tiles = int64_t(active.size()) * per_expert;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
+#if defined(__AVX512F__)
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
+#else
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
+#endif
 }
 
 // w[N,K] int8 * scale[N] -> [N,K] of `dtype`.
@@ -241,10 +351,13 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
     auto xs = at::empty({T * k, D}, x.options());
     float* xsp = xs.data_ptr<float>();
     for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);
+    std::vector<int64_t> active;
+    for (int64_t e = 0; e < E; ++e)
+      if (offsets[e + 1] > offsets[e]) active.push_back(e);
     auto h = at::empty({T * k, I2}, x.options());
-    expert_gemv(offsets, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>());
+    expert_gemv(offsets, active, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>());
     const at::Tensor a = (at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I)).contiguous();
-    expert_gemv(offsets, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys);
+    expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys);
   } else {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
