@@ -4,8 +4,8 @@ broadcasts and reduces that work in place.
 gloo's own all_gather_into_tensor and reduce_scatter_tensor stage the whole
 unsharded buffer in a temporary of their own: one more copy of an FSDP unit
 per collective (a `small` preset MoE layer: +216 MB each), and slower (4
-processes, 216 MB: reduce-scatter 1.2 s, all-gather 0.8 s, against 0.46 s and
-0.27 s here; bench/gloo_collectives.py). Here:
+processes, 216 MiB, quiet machine: reduce-scatter 581 ms, all-gather 386 ms,
+against 288 ms and 163 ms here; bench/gloo_collectives.py). Here:
 
 - all-gather: every rank broadcasts its shard straight into its row of the
   flat output (FSDP2's copy-in already put it there): no temporary; async
