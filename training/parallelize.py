@@ -20,8 +20,9 @@ in torchtitan) and one slice of the heads (tp).
   output). The indexer, router and routed experts stay replicated over tp.
 - EP: each MoE layer keeps E/ep routed experts (plain tensors, this rank's
   shard) and runs glm5_ops.expert_parallel.ep_fused_moe over the "ep" group.
-- FSDP2 (`fully_shard`, MixedPrecisionPolicy): each decoder layer, then the
-  root, sharded over "dp"; the routed experts of a MoE layer form their own
+- FSDP2 (`fully_shard`, MixedPrecisionPolicy): the embedding, each decoder
+  layer, the LM head, then the root, sharded over "dp" (on CPU with
+  training/cpu_collectives.py's in-place all-gather and reduce-scatter); the routed experts of a MoE layer form their own
   unit over "dp_shard" (they differ across ep), with the gradient divided by
   the whole data-parallel size (their gradient already sums the ep ranks'
   tokens). Overlap (set_prefetch): each layer's all-gather is issued
