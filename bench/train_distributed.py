@@ -195,13 +195,30 @@ def _memory(rank, world, kw):
     trainer = _trainer(world, kw)
     saved = SavedBytes()
     peak_saved = 0
+    trace = None
+    if kw.get("trace"):
+        from bench.memory_phases import PhaseTrace
+        trace = PhaseTrace(trainer.model)
+        trace.mark("built")
     for step in range(2):
         saved.reset()
         with saved:
-            trainer.step(*_batch(kw, step))
+            if trace is None:
+                trainer.step(*_batch(kw, step))
+            else:
+                trace.mark(f"step {step} start")
+                trainer.backward(*_batch(kw, step))
+                trace.mark("backward returned")
+                trainer.optimizer.step()
+                trace.mark("optimizer.step")
+                trainer.optimizer.zero_grad(set_to_none=True)
+                trace.mark("zero_grad")
         peak_saved = max(peak_saved, saved.peak)
-    return dict(state_mib=trainer.state_bytes() / 2**20, saved_mib=peak_saved / 2**20,
-                peak_rss_mib=_peak_rss_mib())
+    out = dict(state_mib=trainer.state_bytes() / 2**20, saved_mib=peak_saved / 2**20, peak_rss_mib=_peak_rss_mib())
+    if trace is not None:   # its marks reset the kernel's peak (ru_maxrss too): the peak is the marks' largest
+        out["trace"] = trace.rows
+        out["peak_rss_mib"] = max(r["peak_since_last"] for r in trace.rows)
+    return out
 
 
 def launch(world: int, job: str, **kw) -> list[dict]:
@@ -236,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--policies", default="none,recompute")
     ap.add_argument("--trace-dir", default="runs/overlap-traces")
+    ap.add_argument("--worlds", default="1,4", help="memory: the process counts to measure")
+    ap.add_argument("--trace", action="store_true",
+                    help="memory: print RSS and glibc's heap per phase of the step (bench/memory_phases.py)")
     args = ap.parse_args(argv)
     if args.what == "overlap":
         os.makedirs(args.trace_dir, exist_ok=True)
@@ -255,12 +275,17 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for policy in args.policies.split(","):
-        for world in (1, 4):
+        for world in (int(w) for w in args.worlds.split(",")):
             res = launch(world, "memory", layers=args.layers, batch=args.batch, seq=args.seq, K=args.K or 1,
-                         policy=policy, threads=1)
+                         policy=policy, threads=1, trace=args.trace)
             r = max(res, key=lambda r: r["peak_rss_mib"])
+            trace = r.pop("trace", None)
             rows.append(dict(policy=policy, world=world, **r))
             print(json.dumps(rows[-1]), flush=True)
+            if trace is not None:
+                from bench.memory_phases import format_rows
+                print(f"phases of the largest process, policy {policy}, {world} process(es):\n{format_rows(trace)}",
+                      flush=True)
     print("| policy | processes | peak RSS MiB | fixed MiB | RSS - fixed | state MiB | saved activations MiB |")
     for r in rows:
         print(f"| {r['policy']} | {r['world']} | {r['peak_rss_mib']:.0f} | {r['fixed_rss_mib']:.0f} | "

@@ -6,7 +6,9 @@
 
 It wraps torch.distributed's collective functions by name while active
 (FSDP2, the pipeline schedules and expert parallelism call them through the
-module, so the wrappers see every call). A collective that calls another one
+module, so the wrappers see every call), and the lab's own all-gather and
+reduce-scatter for FSDP2 on gloo (training/cpu_collectives.py), each counted
+once whatever broadcasts or reduces it is made of. A collective that calls another one
 (reduce_scatter_single -> reduce_scatter_tensor on some releases) counts
 once, under the outer name's family. DTensor's tensor-parallel collectives
 go through torch.distributed._functional_collectives and are not seen. On
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 import time
 
 import torch.distributed as dist
@@ -29,6 +32,9 @@ FAMILIES = {
     "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
     "all_to_all_single": "all_to_all", "broadcast": "broadcast", "batch_isend_irecv": "p2p",
 }
+# The lab's own collectives (FSDP2's on gloo, built from broadcasts and reduces): module, name -> family
+LAB_FAMILIES = {("training.cpu_collectives", "all_gather_into"): "all_gather",
+                ("training.cpu_collectives", "reduce_scatter_into"): "reduce_scatter"}
 GRADIENT_FAMILIES = ("reduce_scatter", "all_reduce")   # what data parallelism synchronises gradients with
 
 
@@ -60,15 +66,17 @@ class CommMeter:
     def __enter__(self):
         if self._saved:
             raise RuntimeError("CommMeter is already active")
-        for name, family in FAMILIES.items():
-            fn = getattr(dist, name, None)
+        targets = [(dist, name, family) for name, family in FAMILIES.items()]
+        targets += [(importlib.import_module(mod), name, family) for (mod, name), family in LAB_FAMILIES.items()]
+        for module, name, family in targets:
+            fn = getattr(module, name, None)
             if fn is not None:
-                self._saved[name] = fn
-                setattr(dist, name, self._wrap(family, fn))
+                self._saved[(module, name)] = fn
+                setattr(module, name, self._wrap(family, fn))
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
+        for (module, name), fn in self._saved.items():
+            setattr(module, name, fn)
         self._saved = {}
         return False

@@ -18,6 +18,10 @@ pp = 1 the rows are split into K micro-batches whose losses are scaled by
 1/K, and FSDP2 synchronises gradients after the last one only
 (set_requires_gradient_sync); with pp > 1 the K micro-batches are the
 pipeline schedule's, and the schedule does the same.
+
+The Trainer fixes glibc's mmap threshold at 64 KiB for its process
+(training/allocator.py; mmap_threshold=None leaves malloc alone): without
+it, memory a step frees stays resident and the process's peak grows.
 """
 from __future__ import annotations
 
@@ -31,16 +35,19 @@ from torch.distributed.tensor import DTensor
 from models.glm5 import GLM5ForCausalLM
 from models.glm5.config import GLM5Config
 from training.activation_policy import apply_activation_policy
+from training.allocator import set_mmap_threshold
 from training.meta_init import materialize, record_init, seeded_init
 from training.parallelize import ParallelDims, data_rank, parallelize
 from training.pipeline import SCHEDULES, build_schedule, keep_layers, lm_loss, split_layers
+
+DEFAULT_MMAP_THRESHOLD = 64 * 1024   # training/allocator.py: what a step frees leaves RSS
 
 
 class Trainer:
     def __init__(self, config: GLM5Config, dims: ParallelDims, mesh=None, *, attn: str = "dsa", lr: float = 1e-3,
                  micro_batches: int = 1, schedule: str = "1f1b", seed: int = 0, param_dtype=None,
                  overlap: bool = True, device: str | torch.device = "cpu", lora=None, meta_init: bool | None = None,
-                 memory_policy: str = "none"):
+                 memory_policy: str = "none", mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
         if dims.pp > 1 and micro_batches < dims.pp:
@@ -51,6 +58,8 @@ class Trainer:
         if mesh is None and dims.world_size != 1:
             raise ValueError(f"a mesh is needed for {dims.world_size} processes")
         dims.validate(config, dims.world_size)
+        if mmap_threshold is not None:   # before the model's memory: freed tensors go back to the system
+            set_mmap_threshold(mmap_threshold)
         self.config, self.dims, self.mesh, self.K = config, dims, mesh, micro_batches
         self.schedule_name, self.param_dtype, self.device = schedule, param_dtype, torch.device(device)
         self.stage = mesh["pp"].get_local_rank() if mesh is not None else 0

@@ -20,8 +20,9 @@ in torchtitan) and one slice of the heads (tp).
   output). The indexer, router and routed experts stay replicated over tp.
 - EP: each MoE layer keeps E/ep routed experts (plain tensors, this rank's
   shard) and runs glm5_ops.expert_parallel.ep_fused_moe over the "ep" group.
-- FSDP2 (`fully_shard`, MixedPrecisionPolicy): each decoder layer, then the
-  root, sharded over "dp"; the routed experts of a MoE layer form their own
+- FSDP2 (`fully_shard`, MixedPrecisionPolicy): the embedding, each decoder
+  layer, the LM head, then the root, sharded over "dp" (on CPU with
+  training/cpu_collectives.py's in-place all-gather and reduce-scatter); the routed experts of a MoE layer form their own
   unit over "dp_shard" (they differ across ep), with the gradient divided by
   the whole data-parallel size (their gradient already sums the ep ranks'
   tokens). Overlap (set_prefetch): each layer's all-gather is issued
@@ -37,13 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from glm5_ops.expert_parallel import ep_fused_moe, expert_range
 from models.glm5.config import GLM5Config
 from models.glm5.moe import MoE
+from training.cpu_collectives import use_inplace_gloo_collectives
 
 MESH_DIMS = ("pp", "dp_shard", "ep", "tp")
 
@@ -241,13 +243,33 @@ def apply_fsdp(model: nn.Module, mesh: "ParallelMesh", dims: ParallelDims, *, pa
     # layers gathered between them rather than gathering each one K times.
     reshard = dims.pp == 1
     layers = list(model.model.layers.values())
+    embed, head = model.model.embed_tokens, model.lm_head
+    # The embedding and the LM head are units of their own (not the root's):
+    # gathered, they are 2 x vocab x hidden, which the root would hold from
+    # the first layer's forward to the end of backward. The head stays
+    # gathered after forward: backward starts with it. A tied head shares
+    # the embedding's parameter, so both stay in the root then.
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None and not tied:
+        fully_shard(embed, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
     for layer in layers:
         if dims.ep > 1 and isinstance(layer.mlp, MoE):
             fully_shard(layer.mlp.experts, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(layer, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
+    if head is not None and not tied:
+        fully_shard(head, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+    if mesh["dp"].device_type == "cpu":
+        use_inplace_gloo_collectives(model, "cpu")
     if reshard:
         set_prefetch(model, overlap)
+
+
+def _units(root) -> list[nn.Module]:
+    """root's FSDP units below it in the order forward runs them."""
+    inner = root.model
+    units = [inner.embed_tokens] + list(inner.layers.values()) + [root.lm_head]
+    return [u for u in units if isinstance(u, FSDPModule)]
 
 
 def set_prefetch(root, on: bool) -> None:
@@ -260,12 +282,12 @@ def set_prefetch(root, on: bool) -> None:
     the reduce-scatters blocking: on CUDA on a stream of their own, which
     overlaps; on gloo the backward waits for each. Can be switched between
     steps (the benchmark alternates)."""
-    layers = list(root.model.layers.values())
-    root.set_modules_to_forward_prefetch(layers[:1] if on else [])
-    root.set_modules_to_backward_prefetch(layers[-1:] if on else [])
-    for i, layer in enumerate(layers):
-        layer.set_modules_to_forward_prefetch(layers[i + 1:i + 2] if on else [])
-        layer.set_modules_to_backward_prefetch(layers[i - 1:i] if on and i else [])
+    units = _units(root)
+    root.set_modules_to_forward_prefetch(units[:1] if on else [])
+    root.set_modules_to_backward_prefetch(units[-1:] if on else [])
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1:i + 2] if on else [])
+        unit.set_modules_to_backward_prefetch(units[i - 1:i] if on and i else [])
     root._set_unshard_async_op(on)   # every FSDP unit under root
 
 
