@@ -29,7 +29,7 @@ inline uint32_t radix_key(float f) {
 // (new T[n], not std::vector's zero fill): a row keeps ~1.25k of its T entries,
 // so only those pages are ever touched. The zero fill wrote all 8T bytes per
 // call, and where malloc handed back fresh pages (each call at 8x262144) every
-// one of them page-faulted: 480 faults per call, about a third of its time.
+// one of them page-faulted: 480 faults per call, ~0.3 ms of a 1.46 ms call.
 struct Candidates {
   std::unique_ptr<uint32_t[]> key;
   std::unique_ptr<int32_t[]> idx;
