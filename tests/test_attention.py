@@ -228,6 +228,49 @@ def test_block_sparse_attention_matches_reference(backend, poisoned, case, dtype
     compare(ours, ref32, ref_lp, dtype)
 
 
+# Decode shapes for the CPU forward's head split: with fewer query blocks than
+# threads each query's heads are cut into groups, one work item each. Sizes
+# sit above the split's work threshold (2 * topk * Hq * (Dk + Dv) >= 2^20).
+# Hq, Hkv, Dk, Dv, T, topk, v_views_k
+DECODE_SPLIT_CASES = [
+    (16, 1, 288, 256, 700, 300, True),   # MLA decode: 16 heads -> 2 x 8 (half-width scores on AVX-512)
+    (24, 1, 72, 64, 400, 200, False),    # G = 24: groups of 8 and 16 heads
+    (40, 1, 40, 40, 500, 330, False),    # G = 40, D not a multiple of 16 or 64 (the kernels' tail paths)
+    (5, 1, 100, 60, 1500, 700, False),   # G = 5 < W: the row layout, split head by head
+    (32, 2, 96, 64, 400, 180, False),    # two kv heads of 16: split across and within kv heads
+]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU forward's decode head split")
+@pytest.mark.parametrize("case", DECODE_SPLIT_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_sparse_decode_head_split_is_bitwise_exact(case, dtype):
+    """A query's out and lse are bit-identical at 1 thread (no split), 2, 3 and
+    4 threads (split into head groups), and alone against the same query inside
+    a batch of 8 queries (enough blocks: nothing splits): the serving engine
+    gives a request the same tokens alone as in a busy batch."""
+    Hq, Hkv, Dk, Dv, T, topk, v_views_k = case
+    seed = zlib.crc32(repr(case).encode()) % 1000
+    q, k, v = qkv(1, 8, T, Hq, Hkv, Dk, Dv, dtype, seed, v_views_k)
+    idx = random_selection(1, 8, T, topk, seed)  # -1 slots and future keys (dropped: causal)
+    kw = dict(scale=0.7 / Dk ** 0.5, causal=True)
+    threads = torch.get_num_threads()
+    try:
+        with glm5_ops.use_backend("cpp"):
+            batch = glm5_ops.sparse_attention(q, k, v, idx, q_start=torch.tensor([T - 300]), **kw)
+            for s in (0, 5):
+                alone = []
+                for n in (1, 2, 3, 4):
+                    torch.set_num_threads(n)
+                    alone.append(glm5_ops.sparse_attention(q[:, s:s + 1], k, v, idx[:, s:s + 1],
+                                                           q_start=torch.tensor([T - 300 + s]), **kw))
+                for out, lse in alone:
+                    assert torch.equal(out, batch[0][:, s:s + 1]) and torch.equal(lse, batch[1][:, s:s + 1])
+    finally:
+        torch.set_num_threads(threads)
+    assert bool(torch.isfinite(batch[1]).all())  # every query saw keys: a real comparison, not -inf = -inf
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU kernels' per-worker dK/dV buffers")
 def test_cpu_backward_is_bitwise_repeatable():
     """dK/dV sum per-worker buffers; with items handed out by a shared counter

@@ -16,6 +16,7 @@
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -188,6 +189,54 @@ inline void dots_t(const float* AT, int64_t lda, int64_t Mp, const float* const*
     }
   }
 }
+
+// dots_t for at most W/2 heads on AVX-512: lanes [0, 8) of each output vector
+// computed with 256-bit FMAs (half the work of a padded 16-lane dots_t), lanes
+// [8, 16) stored as 0. Each lane is the same FMA chain over d = 0, 1, ..., D-1
+// as in dots_t / dots_t2, so a head's score is bit-identical whichever
+// computes it: the forward's head split at decode (sparse_attention.cpp) relies on that.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kHalfDots = true;
+inline void dots_t_half(const float* AT, int64_t lda, const float* const* R, int64_t N, int64_t D, float* C,
+                        int64_t ldc) {
+  static_assert(W == 16, "dots_t_half fills half of a 16-lane vector");
+  auto store = [&](__m256 c, int64_t j) { _mm512_storeu_ps(C + j * ldc, _mm512_zextps256_ps512(c)); };
+  int64_t j = 0;
+  for (; j + 8 <= N; j += 8) {
+    const float* r[8];
+    __m256 c[8];
+    for (int q = 0; q < 8; ++q) r[q] = R[j + q], c[q] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 4 <= D; d += 4) {  // four d per pass, as dots_t (the row pointers' registers)
+      const float* at = AT + d * lda;
+      const __m256 a0 = _mm256_loadu_ps(at), a1 = _mm256_loadu_ps(at + lda), a2 = _mm256_loadu_ps(at + 2 * lda),
+                   a3 = _mm256_loadu_ps(at + 3 * lda);
+      for (int q = 0; q < 8; ++q) {
+        const float* x = r[q] + d;
+        c[q] = _mm256_fmadd_ps(_mm256_set1_ps(x[0]), a0, c[q]);
+        c[q] = _mm256_fmadd_ps(_mm256_set1_ps(x[1]), a1, c[q]);
+        c[q] = _mm256_fmadd_ps(_mm256_set1_ps(x[2]), a2, c[q]);
+        c[q] = _mm256_fmadd_ps(_mm256_set1_ps(x[3]), a3, c[q]);
+      }
+    }
+    for (; d < D; ++d) {
+      const __m256 a = _mm256_loadu_ps(AT + d * lda);
+      for (int q = 0; q < 8; ++q) c[q] = _mm256_fmadd_ps(_mm256_set1_ps(r[q][d]), a, c[q]);
+    }
+    for (int q = 0; q < 8; ++q) store(c[q], j + q);
+  }
+  for (; j < N; ++j) {
+    __m256 c = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) c = _mm256_fmadd_ps(_mm256_set1_ps(R[j][d]), _mm256_loadu_ps(AT + d * lda), c);
+    store(c, j);
+  }
+}
+#else
+constexpr bool kHalfDots = false;
+inline void dots_t_half(const float*, int64_t, const float* const*, int64_t, int64_t, float*, int64_t) {
+  TORCH_CHECK(false, "internal: dots_t_half needs AVX-512");
+}
+#endif
 
 // Rows [i, i + Rows) of gather's AVX-512 path over columns [d, d + 4W):
 // Rows x 4 accumulators in registers; per key 4 loads of R's row and Rows

@@ -64,12 +64,17 @@ int64_t visible_keys(const int32_t* slots, int64_t topk, bool causal, int64_t po
 // the vector width, computed vectorised across heads from a transposed Q
 // (tiles::dots_t), which needs no horizontal sums. Element (h, j) of the tile
 // sits at h * wi + j * wj either way, which is all the products need.
+// A head group of a split query (HeadSplit) keeps its kv head's layout with
+// its own G; by_key groups of at most W/2 heads take the half-width products.
 struct Layout {
   bool by_key;
   int64_t G, Gp;
-  explicit Layout(int64_t G_) : by_key(G_ >= tiles::W), G(G_), Gp(by_key ? (G_ + tiles::W - 1) / tiles::W * tiles::W : G_) {}
+  explicit Layout(int64_t G_) : Layout(G_, G_ >= tiles::W) {}
+  Layout(int64_t G_, bool by_key_)
+      : by_key(by_key_), G(G_), Gp(by_key ? (G_ + tiles::W - 1) / tiles::W * tiles::W : G_) {}
   int64_t wi() const { return by_key ? 1 : kTile; }
   int64_t wj() const { return by_key ? Gp : 1; }
+  bool half() const { return by_key && tiles::kHalfDots && 2 * G <= tiles::W; }
 };
 
 struct Scratch {
@@ -92,13 +97,23 @@ struct Scratch {
         delta(queries * lay.Gp, 0.f) {}
 
   // G rows of D values (row stride D) into buf, scaled, in this layout.
+  // (lay: the query's, or a head group's of a split query.)
   void load_rows(const float* src, int64_t D, float scale, std::vector<float>& buf) const {
+    load_rows(lay, src, D, scale, buf);
+  }
+  static void load_rows(const Layout& lay, const float* src, int64_t D, float scale, std::vector<float>& buf) {
     if (lay.by_key) return tiles::transpose_rows(src, D, lay.G, D, scale, lay.Gp, buf.data());
     for (int64_t i = 0; i < lay.G * D; ++i) buf[i] = src[i] * scale;
   }
   // scores[h, j] = sum_d A[h, d] * rows[j][d] for the tile's nt keys.
   void scores(const std::vector<float>& A, const float* const* rows, int64_t nt, int64_t D, float* out) const {
-    if (lay.by_key)
+    scores(lay, A, rows, nt, D, out);
+  }
+  static void scores(const Layout& lay, const std::vector<float>& A, const float* const* rows, int64_t nt, int64_t D,
+                     float* out) {
+    if (lay.half())
+      tiles::dots_t_half(A.data(), lay.Gp, rows, nt, D, out, lay.Gp);
+    else if (lay.by_key)
       tiles::dots_t(A.data(), lay.Gp, lay.Gp, rows, nt, D, out, lay.Gp);
     else
       tiles::dots(A.data(), D, lay.G, rows, nt, D, out, kTile);
@@ -193,8 +208,7 @@ void set_tile(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* ke
 
 // One tile of the online softmax for one query's heads: p written over sc.s,
 // the running max m and sum l updated, and O = alpha * O + P V into o.
-void attend_tile(Scratch& sc, int64_t nt, int64_t Dv, float* o, float* m, float* l) {
-  const Layout& L = sc.lay;
+void attend_tile(Scratch& sc, const Layout& L, int64_t nt, int64_t Dv, float* o, float* m, float* l) {
   const float* alpha = nullptr;  // by_key: the rescaling rides on gather's load of O
   if (L.by_key) {
     // Token-level tiles hold visible keys only: no -inf scores.
@@ -231,6 +245,42 @@ void softmax_grad_tile(Scratch& sc, int64_t nt, const float* lse, const float* d
     }
   }
 }
+
+// Decode (one query, or fewer query blocks than threads) left threads idle:
+// all of a query's heads sat in one work item. HeadSplit then cuts each block's
+// heads into `pieces` groups, one work item each, all reading the same
+// selected rows (the second reader finds them in L3). A group's products give
+// each head exactly what the whole kv head's would: every head is its own FMA
+// chain (one lane of dots_t / dots_t2 / dots_t_half, one row of dots and
+// gather) and its own online softmax lane or row, whichever heads share the
+// tile. So a head's output and lse are bit-identical split or not, and a
+// request served alone gets the tokens it gets in a busy batch (where enough
+// blocks exist and nothing splits). Groups are built from units of heads
+// within a kv head: W/2 for the by_key layout with AVX-512's half-width
+// products, W for by_key without them (a shorter group would pad its vector
+// and save nothing), one head for the row layout.
+struct HeadSplit {
+  static constexpr double kMinFlops = 1 << 20;  // per block: below this, waking a thread costs more than it saves
+  int64_t G, unit, units_per_g, units, pieces = 1;
+  HeadSplit(const AttentionInputs& in, const Layout& lay, int64_t blocks, int64_t keys_per_block)
+      : G(in.G), unit(!lay.by_key ? 1 : tiles::kHalfDots ? tiles::W / 2 : tiles::W),
+        units_per_g((in.G + unit - 1) / unit), units(in.Hkv * units_per_g) {
+    const int64_t threads = at::get_num_threads();
+    const double flops = 2.0 * keys_per_block * in.Hq * (in.Dk + in.Dv);
+    if (blocks < threads && flops >= kMinFlops) pieces = std::min(units, (threads + blocks - 1) / blocks);
+  }
+  // Calls run(g, h0, h1) for each kv head g that piece p touches, with the
+  // heads [h0, h1) of g's G it covers; piece 0 of 1 is every head of every g.
+  template <typename Run>
+  void each_group(int64_t p, Run run) const {
+    const int64_t u0 = p * units / pieces, u1 = (p + 1) * units / pieces;
+    for (int64_t g = u0 / units_per_g; g * units_per_g < u1; ++g) {
+      const int64_t first = std::max<int64_t>(u0 - g * units_per_g, 0);
+      const int64_t last = std::min(u1 - g * units_per_g, units_per_g);
+      run(g, first * unit, std::min(last * unit, G));
+    }
+  }
+};
 
 // Lane blocks: where the queries of a block of consecutive queries chose
 // most of the keys in their span (prefill at a context a few times topk:
@@ -375,37 +425,41 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
   // state across chunks. A selected row is then fetched from L3 once per
   // block instead of once per query that chose it: at the bench shape
   // (T = 16K, topk = 1K) each row serves ~QB/16 queries of a block.
+  // With fewer blocks than threads (decode), an item is a block's head group (HeadSplit).
   const KeyBlocking kb(in);
   const int64_t QB = kb.queries, C = kb.chunks, n_blocks = (in.S + QB - 1) / QB;
-  parallel_dynamic(in.B * n_blocks, [&] { return Scratch(in, topk, QB, C); }, [&](int64_t item, Scratch& sc) {
-    const int64_t b = item / n_blocks, s0 = item % n_blocks * QB, nq = std::min(QB, in.S - s0);
+  const HeadSplit split(in, Layout(G), in.B * n_blocks, topk * QB);
+  const int64_t P = split.pieces;
+  parallel_dynamic(in.B * n_blocks * P, [&] { return Scratch(in, topk, QB, C); }, [&](int64_t item, Scratch& sc) {
+    const int64_t blk = item / P, b = blk / n_blocks, s0 = blk % n_blocks * QB, nq = std::min(QB, in.S - s0);
     if (std::all_of(&done[b * in.S + s0], &done[b * in.S + s0] + nq, [](uint8_t d) { return d; })) return;
-    const Layout& L = sc.lay;
+    const int64_t ld = sc.lay.Gp;  // per-query stride of m and l (a group's Gp is at most this)
     group_block_keys(in, kb, idx, topk, causal, b, s0, nq, sc, done.data());
-    for (int64_t g = 0; g < in.Hkv; ++g) {
+    split.each_group(item % P, [&](int64_t g, int64_t h0, int64_t h1) {
+      const Layout L(h1 - h0, sc.lay.by_key);  // the whole kv head's layout when unsplit
       std::fill(sc.o.begin(), sc.o.end(), 0.f);
       std::fill(sc.m.begin(), sc.m.end(), kNegInf);
       std::fill(sc.l.begin(), sc.l.end(), 0.f);
       sweep_chunks(kb, sc, topk, nq, [&](int64_t i, const int32_t* keys, int64_t n) {
-        float *o = sc.o.data() + i * G * Dv, *m = sc.m.data() + i * L.Gp, *l = sc.l.data() + i * L.Gp;
-        sc.load_rows(in.qrow(b, s0 + i, g * G), Dk, sc_f, sc.qs);
+        float *o = sc.o.data() + i * G * Dv, *m = sc.m.data() + i * ld, *l = sc.l.data() + i * ld;
+        Scratch::load_rows(L, in.qrow(b, s0 + i, g * G + h0), Dk, sc_f, sc.qs);
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
           const int64_t nt = std::min(kTile, n - t0);
           set_tile(in, b, g, keys, t0, nt, n, C == 1, sc);
-          sc.scores(sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
-          attend_tile(sc, nt, Dv, o, m, l);
+          Scratch::scores(L, sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
+          attend_tile(sc, L, nt, Dv, o, m, l);
         }
       });
       for (int64_t i = 0; i < nq; ++i) {
         if (done[b * in.S + s0 + i]) continue;  // written by its lane block
-        for (int64_t h = 0; h < G; ++h) {
-          const int64_t row = (b * in.S + s0 + i) * in.Hq + g * G + h;
-          const float li = sc.l[i * L.Gp + h], inv = li > 0.f ? 1.f / li : 0.f;
+        for (int64_t h = 0; h < L.G; ++h) {
+          const int64_t row = (b * in.S + s0 + i) * in.Hq + g * G + h0 + h;
+          const float li = sc.l[i * ld + h], inv = li > 0.f ? 1.f / li : 0.f;
           for (int64_t d = 0; d < Dv; ++d) op[row * Dv + d] = sc.o[(i * G + h) * Dv + d] * inv;
-          lp[row] = li > 0.f ? sc.m[i * L.Gp + h] + std::log(li) : kNegInf;
+          lp[row] = li > 0.f ? sc.m[i * ld + h] + std::log(li) : kNegInf;
         }
       }
-    }
+    });
   });
   return {to_dtype(out, q.scalar_type()), lse};
 }
