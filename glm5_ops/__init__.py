@@ -14,7 +14,7 @@ from .compress import SavedTensorMeter, compressed_activations, dequantize, quan
 from .indexer import indexer_scores, indexer_topk, topk_indices
 from .int8 import fused_moe_int8, int8_linear, quantize_int8, w8a8_linear
 from . import linear as linear_module
-from .linear import gemv, linear, takes_gemv as linear_takes_gemv
+from .linear import gemv, gemv_heads, linear, linear_heads, takes_gemv as linear_takes_gemv
 from .moe import fused_moe, moe_combine, moe_dispatch, moe_route
 from .moe_plan import MoEPlan
 from .recall import AttentionRecall, attention_recall
@@ -25,4 +25,5 @@ __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "attention_recall", "AttentionRecall",
            "moe_route", "moe_dispatch", "moe_combine", "fused_moe", "MoEPlan",
            "quantize_groupwise", "dequantize", "compressed_activations", "SavedTensorMeter",
-           "quantize_int8", "int8_linear", "w8a8_linear", "fused_moe_int8", "gemv", "linear", "linear_takes_gemv"]
+           "quantize_int8", "int8_linear", "w8a8_linear", "fused_moe_int8",
+           "gemv", "gemv_heads", "linear", "linear_heads", "linear_takes_gemv"]

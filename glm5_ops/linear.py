@@ -2,6 +2,8 @@
 function the model's linear layers call.
 
     y = glm5_ops.gemv(x, w, bias)      x [..., K], w [N, K] (both fp32 or both bf16), bias [N] or None
+    y = glm5_ops.gemv_heads(x, w)      x [H, M, K], w [H, N, K] -> [H, M, N]: y[h] = x[h] @ w[h]^T
+    y = glm5_ops.linear_heads(x, w)    the same by torch.matmul where gemv_heads does not apply
     y = glm5_ops.linear(x, w, bias)    F.linear's contract; takes gemv where plan.py says it is faster
 
 gemv: y = x @ w^T + bias in x.dtype, fp32 accumulation (glm5_ops/reference.py
@@ -54,13 +56,47 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
     return y.reshape(*x.shape[:-1], N)
 
 
+def gemv_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [H, M, K] and w [H, N, K], both fp32 or both bf16 -> [H, M, N] in x.dtype,
+    y[h] = x[h] @ w[h]^T (fp32 accumulation): one call for every head's small
+    product (MLA's W_UK and W_UV at decode). w's rows must be contiguous or it
+    is copied; its heads may be any distance apart (a strided view of a larger
+    weight is read in place). Inference only."""
+    check.tensor(x, "x", "[H, M, K]", rank=3, dtypes=GEMV_DTYPES)
+    H, M, K = x.shape
+    check.tensor(w, "w", f"[H={H}, N, K={K}]", rank=3, dtypes=GEMV_DTYPES)
+    check.dim(w, "w", f"[H={H}, N, K={K}]", 0, H, "H")
+    check.dim(w, "w", f"[H={H}, N, K={K}]", 2, K, "K")
+    if w.dtype != x.dtype:
+        raise TypeError(f"w must have the dtype of x ({check.dtype_name(x.dtype)}), got {check.dtype_name(w.dtype)}")
+    device = check.same_device(x=x, w=w)
+    x, w = x.detach().contiguous(), w.detach()
+    return dispatch("gemv", device, {
+        "cpp": lambda: _gemv_heads_kernel(x, w),
+        "reference": lambda: reference.gemv(x, w),
+    })
+
+
+def linear_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [H, M, K] @ w[h]^T per head -> [H, M, N]: gemv_heads where takes_gemv(x, w) says so, else torch.matmul."""
+    if takes_gemv(x, w):
+        return _gemv_heads_kernel(x, w)
+    return torch.matmul(x, w.transpose(-1, -2))
+
+
+def _gemv_heads_kernel(x, w):
+    """The C++ kernel for inputs takes_gemv accepted (shapes: the kernel checks them)."""
+    return cpp_ops().gemv.default(x.contiguous(), w, None)
+
+
 def _plain(t) -> bool:
     return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu")
 
 
 def takes_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether linear(x, w, bias) runs the gemv kernel (see the module docstring)."""
-    if not (_plain(x) and _plain(w) and _plain(bias)) or x.dim() == 0 or w.dim() != 2:
+    """Whether linear(x, w, bias) runs the gemv kernel (see the module docstring);
+    with w [H, N, K], whether gemv_heads(x [H, M, K], w) should (M rows a head)."""
+    if not (_plain(x) and _plain(w) and _plain(bias)) or x.dim() == 0 or w.dim() not in (2, 3):
         return False
     if x.dtype not in GEMV_DTYPES or w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return False
@@ -68,7 +104,7 @@ def takes_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         return False
     if current_backend(x.device) != "cpp" or _C is None:
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
+    rows = x.shape[-2] if w.dim() == 3 and x.dim() == 3 else x.numel() // max(x.shape[-1], 1)
     return plan.gemv_is_faster(rows, x.dtype)
 
 
@@ -89,7 +125,7 @@ def _gemv_kernel(x, w, bias):
 
 
 def _gemv_fake(x, w, bias):
-    return x.new_empty((x.shape[0], w.shape[0]))
+    return x.new_empty((*x.shape[:-1], w.shape[-2]))
 
 
 if _C is not None:

@@ -704,9 +704,10 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
 
 def gemv(x, w, bias=None):
     """y = x @ w^T + bias for x [M,K], w [N,K] (both fp32 or both bf16), bias [N]
-    (x's dtype) or None -> [M,N] in x.dtype. The kernel accumulates in fp32 and
-    rounds once to x.dtype; this oracle sums in float64, then casts once."""
-    y = x.double() @ w.double().T
+    (x's dtype) or None -> [M,N] in x.dtype; per head for x [H,M,K], w [H,N,K]
+    (no bias) -> [H,M,N]. The kernel accumulates in fp32 and rounds once to
+    x.dtype; this oracle sums in float64, then casts once."""
+    y = x.double() @ w.double().transpose(-1, -2)
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype)

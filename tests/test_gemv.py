@@ -60,6 +60,59 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(dtype):
         assert torch.equal(full[r], glm5_ops.gemv(x[r:r + 3][:1], w, b)[0])
 
 
+# H, M, K, N: one head, odd rows and tails, more rows than the tile; MLA's decode shapes.
+@pytest.mark.parametrize("H,M,K,N", [(1, 1, 33, 9), (3, 2, 64, 17), (5, 3, 31, 8), (16, 1, 64, 256),
+                                     (16, 5, 256, 64), (2, 1, 0, 5), (2, 0, 8, 3)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_heads_matches_oracle(impl, poisoned, H, M, K, N, dtype):
+    x, w = fresh(H, M, K, dtype=dtype), fresh(H, N, K, dtype=dtype, scale=max(K, 1) ** -0.5)
+    y = glm5_ops.gemv_heads(x, w)
+    assert y.shape == (H, M, N) and y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref.gemv(x, w).float(), **_tol(dtype, K))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_heads_reads_a_strided_view_in_place(poisoned, dtype):
+    """MLA's W_UV: the last v of each head's nope+v rows of kv_b_proj's weight,
+    heads (nope+v)*C apart; and a head's result equals the same head alone."""
+    H, n, v, C = 6, 5, 7, 40
+    kv_b = fresh(H, n + v, C, dtype=dtype)
+    w_uv = kv_b[:, n:]
+    x = fresh(H, 3, C, dtype=dtype)
+    y = glm5_ops.gemv_heads(x, w_uv)
+    torch.testing.assert_close(y.float(), ref.gemv(x, w_uv).float(), **_tol(dtype, C))
+    for h in (0, 4):
+        assert torch.equal(y[h], glm5_ops.gemv(x[h], w_uv[h].contiguous()))
+    w_t = fresh(H, C, 9, dtype=dtype).transpose(1, 2)        # [H, 9, C], rows not contiguous: copied
+    torch.testing.assert_close(glm5_ops.gemv_heads(x, w_t).float(), ref.gemv(x, w_t).float(), **_tol(dtype, C))
+
+
+def test_linear_heads_takes_gemv_only_where_it_may():
+    x, w = fresh(4, 1, 32), torch.nn.Parameter(fresh(4, 8, 32))
+    with torch.no_grad():
+        assert glm5_ops.linear_takes_gemv(x, w)
+        assert not glm5_ops.linear_takes_gemv(fresh(4, plan.GEMV_MAX_ROWS[torch.float32] + 1, 32), w)
+        torch.testing.assert_close(glm5_ops.linear_heads(x, w), x @ w.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    glm5_ops.linear_heads(x, w).sum().backward()                 # recording: torch.matmul, differentiable
+    torch.testing.assert_close(w.grad, x.sum(1, keepdim=True).expand(4, 8, 32))
+
+
+def test_gemv_heads_bad_input():
+    x, w = fresh(2, 1, 8), fresh(2, 3, 8)
+    with pytest.raises(ValueError, match=r"^w must have shape \[H=2, N, K=8\] with H=2, got shape \(3, 3, 8\)"):
+        glm5_ops.gemv_heads(x, fresh(3, 3, 8))
+    with pytest.raises(ValueError, match=r"^w must have shape \[H=2, N, K=8\] with K=8, got shape \(2, 3, 7\)"):
+        glm5_ops.gemv_heads(x, fresh(2, 3, 7))
+    with pytest.raises(ValueError, match=r"^x must have shape \[H, M, K\] \(rank 3\)"):
+        glm5_ops.gemv_heads(fresh(1, 8), w)
+    with pytest.raises(TypeError, match=r"^w must have the dtype of x \(float32\), got bfloat16"):
+        glm5_ops.gemv_heads(x, w.bfloat16())
+    with pytest.raises(ValueError, match=r"bias must be None when x and w have heads"):   # C++ guards a direct call
+        torch.ops.glm5.gemv(x, w, fresh(3))
+    with pytest.raises(ValueError, match=r"w must have shape \[H=2,N,K=8\] like x"):
+        torch.ops.glm5.gemv(x, fresh(3, 8), None)
+
+
 def test_linear_takes_gemv_only_where_it_may():
     K, N = 64, 24
     w = torch.nn.Parameter(fresh(N, K))

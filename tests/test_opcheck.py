@@ -128,7 +128,8 @@ CASES = {
     "int8_quantize_rows": lambda: [(fresh(5, 37),), (fresh(2, 3, 64, dtype=torch.bfloat16),)],
     "gemv": lambda: [(fresh(1, 40), fresh(24, 40), None), (fresh(3, 33, dtype=torch.bfloat16),
                                                           fresh(9, 33, dtype=torch.bfloat16),
-                                                          fresh(9, dtype=torch.bfloat16))],
+                                                          fresh(9, dtype=torch.bfloat16)),
+                     (fresh(4, 2, 24), fresh(4, 10, 48)[:, :, :24], None)],   # per head, heads strided
     "int8_linear": lambda: _int8_linear_cases(),
     "w8a8_linear": lambda: _int8_linear_cases(),
     "fused_moe_int8": lambda: [(*_fused_int8(T), w8a8) for T in (3, 40) for w8a8 in (False, True)],

@@ -1,6 +1,12 @@
 // gemv(x[M,K], w[N,K], bias?[N]) -> [M,N] = x @ w^T + bias, x and w both fp32
 // or both bf16, fp32 accumulation, for few rows M (decode; glm5_ops/plan.py
 // chooses when a linear layer takes it instead of the BLAS GEMM).
+// Per head: gemv(x[H,M,K], w[H,N,K], None) -> [H,M,N], y[h] = x[h] @ w[h]^T; w's
+// heads may sit any distance apart (rows contiguous), so MLA's W_UV, a strided
+// view of kv_b_proj's weight, is read in place. At decode a head's product is
+// tiny (MLA: 64 x 256): one call for all heads, their row tiles in one list
+// split between the threads, where torch.bmm's per-head GEMMs took ~100 us a
+// layer for 1 MB.
 //
 // The weight matrix is the traffic: every thread streams its own contiguous
 // range of weight rows once (at::parallel_for's static split over row tiles)
@@ -24,9 +30,15 @@ constexpr int64_t kTileRows = 8;                  // weight rows per tile (gemv_
 constexpr int64_t kMinBytesPerThread = 1 << 16;   // below this a second thread costs more than it reads
 
 void check_args(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must have shape [M,K], got ", x.sizes());
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), "w must have shape [N,K=", x.size(1), "], got ",
-                    w.sizes());
+  if (x.dim() == 3) {
+    TORCH_CHECK_VALUE(w.dim() == 3 && w.size(0) == x.size(0) && w.size(2) == x.size(2), "w must have shape [H=",
+                      x.size(0), ",N,K=", x.size(2), "] like x [H,M,K], got ", w.sizes());
+    TORCH_CHECK_VALUE(!bias.has_value(), "bias must be None when x and w have heads [H,...]");
+  } else {
+    TORCH_CHECK_VALUE(x.dim() == 2, "x must have shape [M,K] or [H,M,K], got ", x.sizes());
+    TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), "w must have shape [N,K=", x.size(1), "], got ",
+                      w.sizes());
+  }
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                    "x must be fp32 or bf16, got ", x.scalar_type());
   TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), "w must have the dtype of x (", x.scalar_type(), "), got ",
@@ -39,35 +51,49 @@ void check_args(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   }
 }
 
+// H heads (1 without heads): head h's x rows at x + h*M*ldx, its weight rows
+// at w + h*ws (contiguous within the head), its y at y + h*M*N. The flat list
+// of (head, row tile) items is split in contiguous ranges between the threads.
 template <typename W>
-void run(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, const float* bias, int64_t N, float* y) {
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+void run(const float* x, int64_t ldx, int64_t H, int64_t M, int64_t K, const W* w, int64_t ws, const float* bias,
+         int64_t N, float* y) {
+  const int64_t per_head = (N + kTileRows - 1) / kTileRows;
   const int64_t tile_bytes = kTileRows * std::max<int64_t>(K, 1) * int64_t(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    gemv::rows<W>(x, ldx, M, K, w, nullptr, bias, t0 * kTileRows, std::min(N, t1 * kTileRows), y, N);
+  at::parallel_for(0, H * per_head, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1;) {
+      const int64_t h = t / per_head, end = std::min(t1, (h + 1) * per_head);
+      gemv::rows<W>(x + h * M * ldx, ldx, M, K, w + h * ws, nullptr, bias, (t - h * per_head) * kTileRows,
+                    std::min(N, (end - h * per_head) * kTileRows), y + h * M * N, N);
+      t = end;
+    }
   });
 }
 
 at::Tensor gemv_op(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias_in) {
   check_args(x_in, w_in, bias_in);
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
-  const at::Tensor w = w_in.contiguous();
+  const bool heads = x_in.dim() == 3;
+  const int64_t H = heads ? x_in.size(0) : 1, M = x_in.size(-2), K = x_in.size(-1), N = w_in.size(-2);
+  // Rows must be contiguous; heads may be any distance apart (a strided view is read in place).
+  const bool rows_ok = w_in.stride(-1) == 1 && (w_in.stride(-2) == K || N == 1);
+  const at::Tensor w = rows_ok ? w_in : w_in.contiguous();
+  const int64_t ws = heads ? w.stride(0) : 0;
   c10::optional<at::Tensor> bias;
   if (bias_in.has_value()) bias = bias_in->to(at::kFloat).contiguous();
-  auto y = at::empty({M, N}, x_in.options().dtype(at::kFloat));
-  if (M > 0 && N > 0) {
+  auto y = heads ? at::empty({H, M, N}, x_in.options().dtype(at::kFloat))
+                 : at::empty({M, N}, x_in.options().dtype(at::kFloat));
+  if (H > 0 && M > 0 && N > 0) {
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     if (w.scalar_type() == at::kFloat) {
       const at::Tensor x = x_in.contiguous();
-      run<float>(x.data_ptr<float>(), K, M, K, w.data_ptr<float>(), bp, N, y.data_ptr<float>());
+      run<float>(x.data_ptr<float>(), K, H, M, K, w.data_ptr<float>(), ws, bp, N, y.data_ptr<float>());
     } else {
       const at::Tensor xf = x_in.to(at::kFloat).contiguous();
       const int64_t ldx = gemv::split_len(K);
-      std::vector<float> xs(size_t(M * ldx));
-      for (int64_t m = 0; m < M; ++m) gemv::split_pairs(xf.data_ptr<float>() + m * K, K, xs.data() + m * ldx);
-      run<gemv::bf16_bits>(xs.data(), ldx, M, K, reinterpret_cast<const gemv::bf16_bits*>(w.data_ptr()), bp, N,
-                           y.data_ptr<float>());
+      std::vector<float> xs(size_t(H * M * ldx));
+      for (int64_t m = 0; m < H * M; ++m) gemv::split_pairs(xf.data_ptr<float>() + m * K, K, xs.data() + m * ldx);
+      run<gemv::bf16_bits>(xs.data(), ldx, H, M, K, reinterpret_cast<const gemv::bf16_bits*>(w.data_ptr()), ws, bp,
+                           N, y.data_ptr<float>());
     }
   }
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());

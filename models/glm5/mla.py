@@ -19,7 +19,7 @@ from glm5_ops.nvtx import nvtx_range
 
 from .config import GLM5Config
 from .layers import Linear, RMSNorm, apply_rope
-from .workspace import Workspace, assign, joined
+from .workspace import Workspace, assign, heads_product, joined
 
 
 class Indexer(nn.Module):
@@ -88,7 +88,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(c.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(self.n_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.indexer = None if shared_selection else Indexer(c)
-        self._lifted = (None, None)   # (weight version, [[W_UK, 0], [0, I]]): see lifted_w_uk
+        self._derived = {}   # name -> (kv_b_proj weight version, weight derived from it): see _derived_weight
 
     def forward(self, x, ctx, prev_selection):
         """x [B,S,hidden] (or several segments packed as [1,N,hidden]: see
@@ -141,23 +141,34 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
         return w[:, :self.nope], w[:, self.nope:]
 
-    def lifted_w_uk(self) -> torch.Tensor:
-        """[[W_UK, 0], [0, I]] [H, nope+rope, C+rope] (absorbed_queries' one
-        product), built once per version of kv_b_proj's weight."""
+    def _derived_weight(self, name: str, build) -> torch.Tensor:
+        """build()'s result, rebuilt only when kv_b_proj's weight changes (inference: no gradient flows through it)."""
         w = self.kv_b_proj.weight
         version = (w.data_ptr(), w._version, w.dtype, w.device)
-        if self._lifted[0] != version:
-            n, r, C = self.nope, self.rope_dim, self.kv_lora
+        cached = self._derived.get(name)
+        if cached is None or cached[0] != version:
             with torch.no_grad():
-                lifted = w.new_zeros(self.n_heads, n + r, C + r)
-                lifted[:, :n, :C] = self._absorb()[0]
-                lifted[:, n:, C:] = torch.eye(r, dtype=w.dtype, device=w.device)
-            self._lifted = (version, lifted)
-        return self._lifted[1]
+                cached = self._derived[name] = (version, build())
+        return cached[1]
+
+    def lifted_w_uk(self) -> torch.Tensor:
+        """[[W_UK, 0], [0, I]] [H, nope+rope, C+rope] (absorbed_queries' one product with many queries)."""
+        def build():
+            n, r, C = self.nope, self.rope_dim, self.kv_lora
+            w = self.kv_b_proj.weight
+            lifted = w.new_zeros(self.n_heads, n + r, C + r)
+            lifted[:, :n, :C] = self._absorb()[0]
+            lifted[:, n:, C:] = torch.eye(r, dtype=w.dtype, device=w.device)
+            return lifted
+        return self._derived_weight("lifted_w_uk", build)
+
+    def w_uk_rows(self) -> torch.Tensor:
+        """W_UK^T [H, C, nope], contiguous: absorbed_queries' product with few queries, row by row."""
+        return self._derived_weight("w_uk_rows", lambda: self._absorb()[0].transpose(1, 2).contiguous())
 
     def absorb_queries(self, q_nope, q_rot, workspace: Workspace):
         """The absorbed query [q_nope W_UK, q_rot] [B,S,H,C+r]."""
-        return workspace.absorbed_queries(q_nope, q_rot, self._absorb()[0], self.lifted_w_uk)
+        return workspace.absorbed_queries(q_nope, q_rot, self._absorb()[0], self.lifted_w_uk, self.w_uk_rows)
 
     def expand(self, q_nope, q_rot, keys, workspace: Workspace | None = None):
         """The non-absorbed (per-head) form: q [B,S,H,nope+rope], k [B,T,H,nope+rope]
@@ -180,5 +191,5 @@ class MLAttention(nn.Module):
         or [B,S,H,C] (absorbed, through W_UV)."""
         B, S = out.shape[:2]
         if not expanded:
-            out = torch.einsum("bshc,hvc->bshv", out, self._absorb()[1])
+            out = heads_product(out, self._absorb()[1])   # W_UV [H,v,C]: rows contiguous, read in place
         return out.reshape(B, S, self.n_heads * self.v_dim)

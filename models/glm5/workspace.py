@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Fewer queries (decode) make small products: einsum, no lifted weight.
+import glm5_ops
+
+# Fewer queries (decode) make small products: heads_product, no lifted weight.
 _BATCHED_MIN_QUERIES = 64
 
 
@@ -48,6 +50,18 @@ def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, b], dim=-1)
 
 
+def heads_product(x: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
+    """x [B,S,H,K] times each head's w_rows [H,N,K] transposed: [B,S,H,N]. Few
+    rows (decode) on the CPU: the gemv kernel, one call for every head (reads
+    w_rows' heads in place; torch.bmm's per-head GEMMs took ~100 us for MLA's
+    1 MB a layer); else einsum."""
+    B, S, H, K = x.shape
+    by_head = x.reshape(B * S, H, K).transpose(0, 1)
+    if glm5_ops.linear_takes_gemv(by_head, w_rows):
+        return glm5_ops.linear_heads(by_head, w_rows).transpose(0, 1).reshape(B, S, H, w_rows.shape[1])
+    return torch.einsum("bshk,hnk->bshn", x, w_rows)
+
+
 class Workspace:
     """The buffers one forward's layers share (by name), handed out only when reusing."""
 
@@ -76,15 +90,19 @@ class Workspace:
                 torch.mm(x[b], w[h].t(), out=out[b, h])
         return out
 
-    def absorbed_queries(self, q_nope, q_rot, w_uk, lifted) -> torch.Tensor:
+    def absorbed_queries(self, q_nope, q_rot, w_uk, lifted, w_uk_rows) -> torch.Tensor:
         """[q_nope W_UK, q_rot] [B,S,H,C+r] for q_nope [B,S,H,n], w_uk [H,n,C].
-        Reusing with many queries: one batched product per head of
-        [q_nope, q_rot] by lifted() = [[W_UK, 0], [0, I]] [H,n+r,C+r] into
-        reused buffers, which carries q_rot through exactly (x*1 + 0s): no
-        separate cat, nothing over 32 MiB allocated afresh."""
+        Reusing with few queries: heads_product by w_uk_rows() = W_UK^T
+        [H,C,n], a contiguous copy (the gemv kernel reads rows). Reusing with
+        many: one batched product per head of [q_nope, q_rot] by lifted() =
+        [[W_UK, 0], [0, I]] [H,n+r,C+r] into reused buffers, which carries
+        q_rot through exactly (x*1 + 0s): no separate cat, nothing over 32 MiB
+        allocated afresh. Recording: einsum by w_uk itself (its gradient)."""
         B, S, H, _ = q_nope.shape
-        if not reusing() or S < _BATCHED_MIN_QUERIES:
+        if not reusing():
             return torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_rot], dim=-1)
+        if S < _BATCHED_MIN_QUERIES:
+            return torch.cat([heads_product(q_nope, w_uk_rows()), q_rot], dim=-1)
         w = lifted()
         by_head = self._buffer("absorbed_q_by_head", (B, H, S, w.shape[-1]), q_nope)
         torch.matmul(joined(q_nope, q_rot).transpose(1, 2), w, out=by_head)

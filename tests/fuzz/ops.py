@@ -244,7 +244,16 @@ def dequantize(draw, d: Dims, raw: bool):
 def gemv(draw, d: Dims, raw: bool):
     M, K, N = d(0, 9), d(0, 9, (17, 33, 65)), d(0, 9, (17,))
     dt = draw(st.sampled_from(["float32", "bfloat16"]))
+    if raw and draw(st.booleans()):   # the per-head form (gemv_heads' op call): no bias
+        H = d(0, 5)
+        return [_ft(draw, "x", [H, M, K], dt), _ft(draw, "w", [H, N, K], dt), Arg("bias", None, "none")]
     return [_ft(draw, "x", [M, K], dt), _ft(draw, "w", [N, K], dt), _ft(draw, "bias", [N], dt)]
+
+
+def gemv_heads(draw, d: Dims, raw: bool):
+    H, M, K, N = d(0, 5), d(0, 9), d(0, 9, (17, 33, 65)), d(0, 9, (17,))
+    dt = draw(st.sampled_from(["float32", "bfloat16"]))
+    return [_ft(draw, "x", [H, M, K], dt), _ft(draw, "w", [H, N, K], dt)]
 
 
 # --------------------------------------------------------------------- INT8 --
@@ -302,6 +311,7 @@ PUBLIC = {
     "quantize_groupwise": (quantize_groupwise, ("cpp", "reference", "triton")),
     "dequantize": (dequantize, ("cpp", "reference", "triton")),
     "gemv": (gemv, ("cpp", "reference")),
+    "gemv_heads": (gemv_heads, ("cpp", "reference")),
     "quantize_int8": (quantize_int8, ("cpp", "reference")),
     "int8_linear": (int8_linear, ("cpp", "reference")),
     "w8a8_linear": (int8_linear, ("cpp", "reference")),
