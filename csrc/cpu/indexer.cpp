@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <limits>
+#include <memory>
 
 #include "checks.h"
 #include "cpu/parallel.h"
@@ -95,20 +96,31 @@ void score_tile(const IndexerProblem& p, int64_t b, int64_t s0, int64_t s1, int6
 // the block, a candidate buffer holding the kept top-k plus room for two key
 // chunks. When the next chunk would not fit, the buffer shrinks back to the
 // top-k and its floor (the k-th key) rises: later keys must beat it to enter.
+// Sized for the queries a block really has (decode: 1, not queries_per_block)
+// and left uninitialised (every slot is written before it is read): zero-filled
+// vectors for 32 queries were ~1.8 MB of page faults and memset per call, which
+// made a decode step's indexer_topk 6x its scores' time (bench/RESULTS.md).
 struct StreamScratch {
   int64_t topk, cap;
-  std::vector<float> logits, scores;
-  std::vector<uint32_t> keys, kept_keys;
-  std::vector<int32_t> idx, kept_idx;
+  std::unique_ptr<float[]> logits, scores;
+  std::unique_ptr<uint32_t[]> keys, kept_keys;
+  std::unique_ptr<int32_t[]> idx, kept_idx;
   std::vector<int64_t> count;
   std::vector<uint32_t> floor_key;
   StreamScratch(const IndexerProblem& p, int64_t topk_)
-      : topk(topk_), cap(2 * topk_ + 2 * kKeyChunk), logits(p.queries_per_block() * p.H * kKeyChunk),
-        scores(p.queries_per_block() * kKeyChunk), keys(p.queries_per_block() * cap), kept_keys(topk_),
-        idx(p.queries_per_block() * cap), kept_idx(topk_), count(p.queries_per_block()),
-        floor_key(p.queries_per_block()) {}
-  uint32_t* keys_of(int64_t i) { return keys.data() + i * cap; }
-  int32_t* idx_of(int64_t i) { return idx.data() + i * cap; }
+      : topk(topk_), cap(2 * topk_ + 2 * kKeyChunk) {
+    const int64_t rows = std::min(p.queries_per_block(), p.S);
+    logits.reset(new float[rows * p.H * kKeyChunk]);
+    scores.reset(new float[rows * kKeyChunk]);
+    keys.reset(new uint32_t[rows * cap]);
+    idx.reset(new int32_t[rows * cap]);
+    kept_keys.reset(new uint32_t[topk_]);
+    kept_idx.reset(new int32_t[topk_]);
+    count.resize(rows);
+    floor_key.resize(rows);
+  }
+  uint32_t* keys_of(int64_t i) { return keys.get() + i * cap; }
+  int32_t* idx_of(int64_t i) { return idx.get() + i * cap; }
 };
 
 // Streams keys [t_begin, t_end) of batch b past queries [s0, s1), leaving each
@@ -119,19 +131,19 @@ void stream_topk(const IndexerProblem& p, int64_t b, int64_t s0, int64_t s1, int
   std::fill(sc.floor_key.begin(), sc.floor_key.end(), 0u);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kKeyChunk) {
     const int64_t t1 = std::min(t0 + kKeyChunk, t_end);
-    score_tile(p, b, s0, s1, t0, t1, sc.logits.data(), sc.scores.data(), kKeyChunk);
+    score_tile(p, b, s0, s1, t0, t1, sc.logits.get(), sc.scores.get(), kKeyChunk);
     for (int64_t i = 0; i < s1 - s0; ++i) {
       uint32_t* kq = sc.keys_of(i);
       int32_t* iq = sc.idx_of(i);
       int64_t& n = sc.count[i];
       if (n + (t1 - t0) > sc.cap) {
-        n = radix_select(kq, iq, n, sc.topk, sc.kept_idx.data(), sc.kept_keys.data());
-        std::copy(sc.kept_keys.begin(), sc.kept_keys.begin() + n, kq);
-        std::copy(sc.kept_idx.begin(), sc.kept_idx.begin() + n, iq);
+        n = radix_select(kq, iq, n, sc.topk, sc.kept_idx.get(), sc.kept_keys.get());
+        std::copy(sc.kept_keys.get(), sc.kept_keys.get() + n, kq);
+        std::copy(sc.kept_idx.get(), sc.kept_idx.get() + n, iq);
         if (n == sc.topk) sc.floor_key[i] = *std::min_element(kq, kq + n);
       }
       const uint32_t floor = sc.floor_key[i];
-      const float* sr = sc.scores.data() + i * kKeyChunk;
+      const float* sr = sc.scores.get() + i * kKeyChunk;
       for (int64_t t = 0; t < t1 - t0; ++t) {  // branch-free append of keys above the floor
         const uint32_t key = radix_key(sr[t]);
         kq[n] = key;
@@ -170,14 +182,16 @@ at::Tensor indexer_scores(const at::Tensor& q, const at::Tensor& w, const at::Te
   const int64_t nkc = (p.T + kKeyChunk - 1) / kKeyChunk;
   float* out_ptr = out.data_ptr<float>();
   // One work item per (query block, key chunk): decode-shaped calls use every thread too.
+  // The tile scratch sized for the rows a block really has, uninitialised (see StreamScratch).
+  const int64_t tile_floats = std::min(qpb, p.S) * p.H * kKeyChunk;
   parallel_dynamic(
-      p.B * nqb * nkc, [&] { return std::vector<float>(qpb * p.H * kKeyChunk); },
-      [&](int64_t item, std::vector<float>& logits) {
+      p.B * nqb * nkc, [&] { return std::unique_ptr<float[]>(new float[tile_floats]); },
+      [&](int64_t item, std::unique_ptr<float[]>& logits) {
         const int64_t task = item / nkc, t0 = (item % nkc) * kKeyChunk, t1 = std::min(t0 + kKeyChunk, p.T);
         const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
         const int64_t live_end = std::min(t1, p.key_end(b, s1));  // keys past every query of the block: -inf
         float* dst = out_ptr + (b * p.S + s0) * p.T + t0;
-        if (t0 < live_end) score_tile(p, b, s0, s1, t0, live_end, logits.data(), dst, p.T);
+        if (t0 < live_end) score_tile(p, b, s0, s1, t0, live_end, logits.get(), dst, p.T);
         for (int64_t s = s0; s < s1; ++s) {
           float* row = dst + (s - s0) * p.T;
           std::fill(row + std::max<int64_t>(0, live_end - t0), row + (t1 - t0), -std::numeric_limits<float>::infinity());
@@ -213,34 +227,35 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& w, const at::Tens
   }
   // Few queries (tasks * splits <= threads, so S is small): each split keeps
   // its own top-k of its key range, then one select over the splits' union.
-  std::vector<uint32_t> part_keys(tasks * splits * qpb * topk);
-  std::vector<int32_t> part_idx(part_keys.size());
-  std::vector<int64_t> part_count(tasks * splits * qpb, 0);
+  const int64_t qrows = std::min(qpb, p.S);   // queries a block really has (uninitialised: written before read)
+  std::unique_ptr<uint32_t[]> part_keys(new uint32_t[tasks * splits * qrows * topk]);
+  std::unique_ptr<int32_t[]> part_idx(new int32_t[tasks * splits * qrows * topk]);
+  std::vector<int64_t> part_count(tasks * splits * qrows, 0);
   parallel_dynamic(tasks * splits, [&] { return StreamScratch(p, topk); }, [&](int64_t item, StreamScratch& sc) {
     const int64_t task = item / splits, b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
     const auto [t0, t1] = split_range(p.key_end(b, s1), item % splits, splits);
     stream_topk(p, b, s0, s1, t0, t1, sc);
     for (int64_t i = 0; i < s1 - s0; ++i) {
-      const int64_t slot = item * qpb + i;
-      part_count[slot] = radix_select(sc.keys_of(i), sc.idx_of(i), sc.count[i], topk, part_idx.data() + slot * topk,
-                                      part_keys.data() + slot * topk);
+      const int64_t slot = item * qrows + i;
+      part_count[slot] = radix_select(sc.keys_of(i), sc.idx_of(i), sc.count[i], topk, part_idx.get() + slot * topk,
+                                      part_keys.get() + slot * topk);
     }
   });
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> keys(splits * topk);
-    std::vector<int32_t> idx(splits * topk);
+    std::unique_ptr<uint32_t[]> keys(new uint32_t[splits * topk]);
+    std::unique_ptr<int32_t[]> idx(new int32_t[splits * topk]);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / nqb, s0 = (task % nqb) * qpb, s1 = std::min(s0 + qpb, p.S);
       for (int64_t i = 0; i < s1 - s0; ++i) {
         int64_t n = 0;
         for (int64_t part = 0; part < splits; ++part) {
-          const int64_t slot = (task * splits + part) * qpb + i;
-          std::copy_n(part_keys.data() + slot * topk, part_count[slot], keys.data() + n);
-          std::copy_n(part_idx.data() + slot * topk, part_count[slot], idx.data() + n);
+          const int64_t slot = (task * splits + part) * qrows + i;
+          std::copy_n(part_keys.get() + slot * topk, part_count[slot], keys.get() + n);
+          std::copy_n(part_idx.get() + slot * topk, part_count[slot], idx.get() + n);
           n += part_count[slot];
         }
         int32_t* dst = out_ptr + (b * p.S + s0 + i) * topk;
-        const int64_t got = radix_select(keys.data(), idx.data(), n, topk, dst);
+        const int64_t got = radix_select(keys.get(), idx.get(), n, topk, dst);
         std::fill(dst + got, dst + topk, -1);
       }
     }
