@@ -22,12 +22,14 @@ in torchtitan) and one slice of the heads (tp).
   shard) and runs glm5_ops.expert_parallel.ep_fused_moe over the "ep" group.
 - FSDP2 (`fully_shard`, MixedPrecisionPolicy): the embedding, each decoder
   layer, the LM head, then the root, sharded over "dp" (on CPU with
-  training/cpu_collectives.py's in-place all-gather and reduce-scatter); the routed experts of a MoE layer form their own
-  unit over "dp_shard" (they differ across ep), with the gradient divided by
-  the whole data-parallel size (their gradient already sums the ep ranks'
-  tokens). Overlap (set_prefetch): each layer's all-gather is issued
-  asynchronously one layer ahead; with it off each is issued when the layer
-  is reached and waited for at once (the same units and memory either way).
+  training/cpu_collectives.py's in-place all-gather and reduce-scatter); the
+  routed experts of each MoE layer form a unit of their own inside the
+  layer's, over "dp_shard" (they differ across ep; with ep > 1 their
+  gradient is divided by the whole data-parallel size, as it already sums
+  the ep ranks' tokens). Overlap (set_prefetch): each unit's all-gather is
+  issued asynchronously ahead of its use, at most one experts unit gathered
+  at a time; with it off each is issued when the unit is reached and waited
+  for at once (the same units either way).
 """
 from __future__ import annotations
 
