@@ -265,6 +265,7 @@ def apply_fsdp(model: nn.Module, mesh: "ParallelMesh", dims: ParallelDims, *, pa
     split_experts = dims.ep > 1 or getattr(model, "fused", True)
     for layer in layers:
         if split_experts and isinstance(layer.mlp, MoE):
+            layer.mlp.experts._is_routed_experts = True
             fully_shard(layer.mlp.experts, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(layer, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
     if head is not None and not tied:
@@ -289,7 +290,8 @@ def _units(root) -> list[nn.Module]:
 
 
 def _is_experts(unit) -> bool:
-    return isinstance(unit, Experts)
+    """A MoE layer's routed experts (an Experts, or what replaced it: a quantised model swaps the module)."""
+    return isinstance(unit, Experts) or getattr(unit, "_is_routed_experts", False)
 
 
 def _backward_order(units: list[nn.Module]) -> list[nn.Module]:
