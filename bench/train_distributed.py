@@ -280,7 +280,7 @@ def main(argv=None) -> int:
                          policy=policy, threads=1, trace=args.trace)
             r = max(res, key=lambda r: r["peak_rss_mib"])
             trace = r.pop("trace", None)
-            rows.append(dict(policy=policy, world=world, **r))
+            rows.append(dict(policy=policy, world=world, **r, peak_by_rank=[round(x["peak_rss_mib"]) for x in res]))
             print(json.dumps(rows[-1]), flush=True)
             if trace is not None:
                 from bench.memory_phases import format_rows

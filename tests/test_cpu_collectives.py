@@ -65,6 +65,49 @@ def units_job() -> dict:
                 comm=type(m.lm_head._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm).__name__)
 
 
+def experts_units_job() -> dict:
+    """The collectives each FSDP unit issues in a backward, in order, and the parameter names."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from models.glm5.config import preset
+    from training.cpu_collectives import InplaceAllGather, InplaceReduceScatter
+    from training.distributed_train import Trainer
+    from training.parallelize import ParallelDims
+    events = []
+
+    class Gather(InplaceAllGather):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def __call__(self, *args, **kwargs):
+            events.append(("gather", self.name))
+            return super().__call__(*args, **kwargs)
+
+    class Reduce(InplaceReduceScatter):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def __call__(self, *args, **kwargs):
+            events.append(("reduce", self.name))
+            return super().__call__(*args, **kwargs)
+
+    dims = ParallelDims(dp_shard=2)
+    trainer = Trainer(preset("tiny"), dims, dims.build_mesh("cpu"), mmap_threshold=None)
+    m = trainer.model
+    for name, unit in m.named_modules():
+        if isinstance(unit, FSDPModule) and unit is not m:
+            unit.set_custom_all_gather(Gather(name))
+            unit.set_custom_reduce_scatter(Reduce(name))
+    x = torch.randint(0, 256, (4, 33))
+    loss = torch.nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+    events.clear()
+    loss.backward()
+    experts = [n for n, u in m.named_modules() if isinstance(u, FSDPModule) and n.endswith("mlp.experts")]
+    return dict(events=events, experts=experts, names=sorted(n for n, _ in m.named_parameters()))
+
+
 @pytest.fixture(scope="module")
 def pool2():
     pool = GlooPool(2)
@@ -121,3 +164,23 @@ def test_fixed_mmap_threshold_returns_freed_memory():
     dynamic, fixed = retained("dynamic"), retained("fixed")
     assert dynamic > 200, f"glibc's default kept only {dynamic:.0f} MiB of 300 freed: the premise changed"
     assert fixed < 20, f"{fixed:.0f} MiB of 300 freed MiB still resident with the threshold fixed"
+
+
+def test_experts_are_units_gathered_one_at_a_time_in_backward(pool2):
+    """Each MoE layer's routed experts are an FSDP unit inside the layer's (names
+    unchanged); in backward no experts unit is gathered while another one's
+    gradients are pending, and the next experts' gather is issued before the
+    layer's own reduction, i.e. it overlaps the attention's backward."""
+    from models.glm5 import GLM5ForCausalLM
+    from models.glm5.config import preset
+    want_names = sorted(n for n, _ in GLM5ForCausalLM(preset("tiny")).named_parameters()
+                        if ".mtp." not in n)   # the Trainer does not train MTP
+    for r in pool2.run(experts_units_job):
+        assert r["names"] == want_names
+        assert len(r["experts"]) >= 2, r["experts"]
+        seq = [e for e in r["events"] if e[1].endswith("mlp.experts")]
+        want = [(kind, name) for name in reversed(r["experts"]) for kind in ("gather", "reduce")]
+        assert seq == want, seq
+        for later, earlier in zip(reversed(r["experts"]), list(reversed(r["experts"]))[1:]):
+            layer = later.removesuffix(".mlp.experts")
+            assert r["events"].index(("gather", earlier)) < r["events"].index(("reduce", layer)), r["events"]

@@ -22,12 +22,14 @@ in torchtitan) and one slice of the heads (tp).
   shard) and runs glm5_ops.expert_parallel.ep_fused_moe over the "ep" group.
 - FSDP2 (`fully_shard`, MixedPrecisionPolicy): the embedding, each decoder
   layer, the LM head, then the root, sharded over "dp" (on CPU with
-  training/cpu_collectives.py's in-place all-gather and reduce-scatter); the routed experts of a MoE layer form their own
-  unit over "dp_shard" (they differ across ep), with the gradient divided by
-  the whole data-parallel size (their gradient already sums the ep ranks'
-  tokens). Overlap (set_prefetch): each layer's all-gather is issued
-  asynchronously one layer ahead; with it off each is issued when the layer
-  is reached and waited for at once (the same units and memory either way).
+  training/cpu_collectives.py's in-place all-gather and reduce-scatter); the
+  routed experts of each MoE layer form a unit of their own inside the
+  layer's, over "dp_shard" (they differ across ep; with ep > 1 their
+  gradient is divided by the whole data-parallel size, as it already sums
+  the ep ranks' tokens). Overlap (set_prefetch): each unit's all-gather is
+  issued asynchronously ahead of its use, at most one experts unit gathered
+  at a time; with it off each is issued when the unit is reached and waited
+  for at once (the same units either way).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from glm5_ops.expert_parallel import ep_fused_moe, expert_range
 from models.glm5.config import GLM5Config
-from models.glm5.moe import MoE
+from models.glm5.moe import Experts, MoE
 from training.cpu_collectives import use_inplace_gloo_collectives
 
 MESH_DIMS = ("pp", "dp_shard", "ep", "tp")
@@ -252,8 +254,18 @@ def apply_fsdp(model: nn.Module, mesh: "ParallelMesh", dims: ParallelDims, *, pa
     tied = embed is not None and head is not None and head.weight is embed.weight
     if embed is not None and not tied:
         fully_shard(embed, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
+    # A MoE layer's routed experts are a unit of their own inside the layer's
+    # (they are ~93% of a `small` MoE layer): their gradients are reduced and
+    # their gathered weights freed as soon as their backward ends, before the
+    # attention's, and the unit gathered ahead of them is the next layer's
+    # small rest, not a whole layer. Over "dp_shard": they differ across ep.
+    # The unfused path (model.fused False, no ep) indexes the experts' weights
+    # without calling the module, which FSDP2 must see to gather them: those
+    # experts stay in the layer's unit.
+    split_experts = dims.ep > 1 or getattr(model, "fused", True)
     for layer in layers:
-        if dims.ep > 1 and isinstance(layer.mlp, MoE):
+        if split_experts and isinstance(layer.mlp, MoE):
+            layer.mlp.experts._is_routed_experts = True
             fully_shard(layer.mlp.experts, mesh=mesh["dp_shard"], mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(layer, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard)
     if head is not None and not tied:
@@ -266,28 +278,95 @@ def apply_fsdp(model: nn.Module, mesh: "ParallelMesh", dims: ParallelDims, *, pa
 
 
 def _units(root) -> list[nn.Module]:
-    """root's FSDP units below it in the order forward runs them."""
+    """root's FSDP units below it in the order forward reaches them: the
+    embedding, each layer followed by its experts unit (entered inside the
+    layer's forward), the LM head."""
     inner = root.model
-    units = [inner.embed_tokens] + list(inner.layers.values()) + [root.lm_head]
+    units = [inner.embed_tokens]
+    for layer in inner.layers.values():
+        units += [layer, getattr(layer.mlp, "experts", None)]
+    units.append(root.lm_head)
     return [u for u in units if isinstance(u, FSDPModule)]
 
 
+def _is_experts(unit) -> bool:
+    """A MoE layer's routed experts (an Experts, or what replaced it: a quantised model swaps the module)."""
+    return isinstance(unit, Experts) or getattr(unit, "_is_routed_experts", False)
+
+
+def _backward_order(units: list[nn.Module]) -> list[nn.Module]:
+    """The order backward reaches the units' pre-backward hooks: a layer's
+    (on its output) fires before its experts' (on theirs, inside it), so
+    each (layer, experts) pair keeps its forward order while the layers reverse."""
+    groups: list[list[nn.Module]] = []
+    for u in units:
+        if _is_experts(u) and groups:
+            groups[-1].append(u)
+        else:
+            groups.append([u])
+    return [u for g in reversed(groups) for u in g]
+
+
+def _gather_after_backward(experts: FSDPModule):
+    """A forward pre-hook for a MoE layer: when the gradient of its input is
+    complete (its experts' backward and reduce-scatter done), start gathering
+    `experts` (the previous MoE layer's), which then overlaps the attention's
+    backward. FSDP2 waits for it in the experts' pre-backward. In a recompute
+    (memory policy) the hook lands on a tensor whose gradient never comes: harmless."""
+    def gather(_grad):
+        experts.unshard(async_op=True)   # FSDP2 keeps the pending gather; the handle is not needed
+
+    def pre_hook(_mlp, args):
+        x = args[0]
+        if torch.is_grad_enabled() and x.requires_grad:
+            x.register_hook(gather)
+    return pre_hook
+
+
 def set_prefetch(root, on: bool) -> None:
-    """on: each layer's all-gather is issued while the layer before it
-    computes (forward; in backward the one after it) and waited for only when
-    the layer runs: async_op collectives, which on gloo run in gloo's own
-    threads and on NCCL on FSDP2's streams. off: each layer is gathered when
-    it is reached and the process waits (on CUDA FSDP2's implicit prefetch
-    still overlaps it; on CPU its streams are no-ops). Either way FSDP2 issues
-    the reduce-scatters blocking: on CUDA on a stream of their own, which
-    overlaps; on gloo the backward waits for each. Can be switched between
-    steps (the benchmark alternates)."""
+    """on: a unit's all-gather is issued asynchronously ahead of its use and
+    waited for only when the unit runs (async_op collectives: on gloo in
+    gloo's own threads, on NCCL on FSDP2's streams). off: each unit is
+    gathered when it is reached and the process waits (on CUDA FSDP2's
+    implicit prefetch still overlaps it; on CPU its streams are no-ops).
+
+    Forward: a layer's pre-forward gathers its experts (needed after its
+    attention) and the next layer's rest; experts units prefetch nothing, so
+    a recompute in backward (memory policy), which reruns their forward
+    hooks, gathers no other unit. Backward: each unit gathers the next one
+    backward reaches (the head the last layer, a layer its experts, experts
+    the previous layer's rest), and a MoE layer's experts are gathered once
+    the next MoE layer's MLP backward is done (its experts reduced and
+    freed), during that layer's attention backward. So no experts unit is
+    gathered while another computes: the backward peak holds one MoE
+    layer's gathered experts and their unsharded gradients (2 x 201 MiB at
+    `small`), not a prefetched whole layer besides. Gathering the previous
+    experts during the current experts' backward would hide more of it, for
+    201 MiB of peak. FSDP2 issues the reduce-scatters blocking: on CUDA on a
+    stream of their own, which overlaps; on gloo the backward waits for
+    each. Can be switched between steps (the benchmark alternates)."""
     units = _units(root)
     root.set_modules_to_forward_prefetch(units[:1] if on else [])
-    root.set_modules_to_backward_prefetch(units[-1:] if on else [])
     for i, unit in enumerate(units):
-        unit.set_modules_to_forward_prefetch(units[i + 1:i + 2] if on else [])
-        unit.set_modules_to_backward_prefetch(units[i - 1:i] if on and i else [])
+        ahead: list[nn.Module] = []
+        if on and not _is_experts(unit):
+            for nxt in units[i + 1:]:
+                ahead.append(nxt)
+                if not _is_experts(nxt):
+                    break
+        unit.set_modules_to_forward_prefetch(ahead)
+    backward = _backward_order(units)
+    root.set_modules_to_backward_prefetch(backward[:1] if on else [])
+    for i, unit in enumerate(backward):
+        unit.set_modules_to_backward_prefetch(backward[i + 1:i + 2] if on else [])
+    for handle in getattr(root, "_experts_prefetch_hooks", []):
+        handle.remove()
+    root._experts_prefetch_hooks = []
+    if on:
+        moe = [layer.mlp for layer in root.model.layers.values()
+               if isinstance(getattr(layer.mlp, "experts", None), FSDPModule)]
+        root._experts_prefetch_hooks = [later.register_forward_pre_hook(_gather_after_backward(earlier.experts))
+                                        for earlier, later in zip(moe, moe[1:])]
     root._set_unshard_async_op(on)   # every FSDP unit under root
 
 
