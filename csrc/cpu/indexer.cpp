@@ -15,6 +15,7 @@
 #include <memory>
 
 #include "checks.h"
+#include "cpu/indexer_decode.h"
 #include "cpu/parallel.h"
 #include "cpu/radix_select.h"
 
@@ -24,6 +25,9 @@ namespace {
 
 constexpr int64_t kKeyChunk = 512;    // keys per tile
 constexpr int64_t kTileRows = 256;    // query-head rows per tile (Sb * H)
+// At most this many queries in a block: indexer_decode's scores instead of
+// an sgemm (measured: bench/RESULTS.md, "indexer at decode").
+constexpr int64_t kDecodeQueries = 4;
 
 struct IndexerProblem {
   int64_t B, S, H, D, T;
@@ -71,6 +75,17 @@ IndexerProblem make_problem(const Fp32Inputs& in, bool causal, const c10::option
 void score_tile(const IndexerProblem& p, int64_t b, int64_t s0, int64_t s1, int64_t t0, int64_t t1, float* logits,
                 float* dst, int64_t dst_stride) {
   const int64_t rows = (s1 - s0) * p.H, cols = t1 - t0;
+  if (s1 - s0 <= kDecodeQueries && indexer_decode::kAvailable && p.D <= indexer_decode::kMaxDim) {
+    // Few queries (decode): no GEMM, whose packing of the key chunk costs more than the product.
+    for (int64_t s = s0; s < s1; ++s) {
+      float* out = dst + (s - s0) * dst_stride;
+      indexer_decode::scores(p.q + (b * p.S + s) * p.H * p.D, p.w + (b * p.S + s) * p.H, p.H, p.D,
+                             p.k + (b * p.T + t0) * p.D, cols, out);
+      const int64_t first_masked = std::max<int64_t>(p.last_visible(b, s) + 1 - t0, 0);
+      for (int64_t t = first_masked; t < cols; ++t) out[t] = -std::numeric_limits<float>::infinity();
+    }
+    return;
+  }
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor qb = at::from_blob(const_cast<float*>(p.q + (b * p.S + s0) * p.H * p.D), {rows, p.D}, f32);
   at::Tensor kc = at::from_blob(const_cast<float*>(p.k + (b * p.T + t0) * p.D), {cols, p.D}, f32);
