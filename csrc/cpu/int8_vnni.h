@@ -1,0 +1,229 @@
+// Weight-only int8 decode on AVX-512 VNNI: integer dot products that keep
+// fp32-level accuracy (csrc/cpu/int8.cpp's decode paths use it where the CPU
+// has VNNI; docs/INT8.md, "Decode on VNNI").
+//
+// Widening each int8 weight to fp32 costs ~12 vector ops per 64 weight bytes
+// and activation row (sign-extend, convert, FMA), which bounds the decode
+// kernels below the memory bandwidth. Here each fp32 activation row x is
+// written once per call as three int8 digits with scales
+//   s1 = max|x| / 127,  q1 = round(x / s1),           r1 = x - s1 q1
+//   s2 = s1 / 254,      q2 = round(r1 / s2),          r2 = r1 - s2 q2
+//   s3 = s2 / 254,      q3 = round(r2 / s3)           (every |q| <= 127)
+// (float64 arithmetic), so |x - s1 q1 - s2 q2 - s3 q3| <= s3 / 2 = max|x| / 16,387,064
+// ~ 6.1e-8 max|x| per element: the order of fp32's own rounding of max|x|
+// (two digits would leave 1.6e-5 max|x|, 250x more). Then
+//   w . x = s1 (w . q1) + s2 (w . q2) + s3 (w . q3),
+// each w . q an exact int32 dot product by vpdpbusd (u8 x s8, 64 bytes per op):
+// the weight enters as unsigned after flipping its sign bit (w ^ 0x80 = w + 128),
+// and 128 * sum(q) (per activation row and digit, computed once) is taken off
+// after the reduction. vpdpbusd adds with wraparound, so the lanes hold the sum
+// mod 2^32; the corrected w . q is exact as long as |w . q| <= 127 * 127 * K <
+// 2^31, i.e. K <= kVnniMaxK (131072, the bound w8a8_linear uses); longer rows
+// take the fp32 path. The three products are combined and scaled in float64
+// and rounded to fp32 once, so against the float64 oracle
+//   |y - y_ref| <= scale * sum_k |w_k| * 6.1e-8 * max|x| + half an ulp of y.
+// Integers are exact and the combine has one fixed order: a row's result does
+// not depend on the thread split or the other rows of the batch.
+// An activation row with a NaN or an infinity gets no digits; its outputs are
+// summed in float64 directly (they are NaN or infinite either way).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace glm5 {
+namespace cpu {
+namespace vnni {
+
+constexpr int64_t kVnniMaxK = 131072;   // see above: 127 * 127 * K < 2^31
+constexpr int kDigits = 3;
+
+#if defined(__AVX512F__)
+
+// True where the CPU executes vpdpbusd (AVX512_VNNI); checked once. The build
+// targets x86-64-v4, which does not include VNNI, so the kernel carries its
+// own target attribute and runs only where this says so.
+inline bool cpu_has_vnni() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") != 0;
+  }();
+  return has;
+}
+
+// The digits of R activation rows of length K, each row's kDigits digit rows
+// zero-padded to Kp (a multiple of 64, so the kernel reads whole vectors).
+struct ActDigits {
+  int64_t R = 0, K = 0, Kp = 0;
+  std::vector<int8_t> q;        // [R][kDigits][Kp]
+  std::vector<double> s;        // [R][kDigits]; NaN marks a row with a non-finite value
+  std::vector<int32_t> qsum;    // [R][kDigits]: sum of the row's digits (the u8 offset's correction)
+  const float* x = nullptr;     // the rows themselves (the float64 path of non-finite rows)
+  int64_t ldx = 0;
+  std::vector<int64_t> map;     // logical row -> stored row, where set (the MoE's sorted pairs share token rows)
+
+  int64_t stored(int64_t r) const { return map.empty() ? r : map[r]; }
+  const int8_t* row(int64_t r) const { return q.data() + stored(r) * kDigits * Kp; }
+  const double* scales(int64_t r) const { return s.data() + stored(r) * kDigits; }
+  const int32_t* sums(int64_t r) const { return qsum.data() + stored(r) * kDigits; }
+  const float* xrow(int64_t r) const { return x + stored(r) * ldx; }
+  bool finite(int64_t r) const { return !std::isnan(scales(r)[0]); }
+};
+
+// x fp32 [R, ldx] (K used) -> its digits (the layout above).
+inline ActDigits make_digits(const float* x, int64_t R, int64_t K, int64_t ldx) {
+  ActDigits a;
+  a.R = R, a.K = K, a.Kp = (K + 63) / 64 * 64, a.x = x, a.ldx = ldx;
+  a.q.assign(R * kDigits * a.Kp, 0);
+  a.s.assign(R * kDigits, 0.0);
+  a.qsum.assign(R * kDigits, 0);
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * ldx;
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 m = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
+      const __m512 v = _mm512_maskz_loadu_ps(m, xr + k);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vmax = _mm512_max_ps(vmax, _mm512_and_ps(v, abs_mask));
+    }
+    const double amax = _mm512_reduce_max_ps(vmax);
+    double* s = a.s.data() + r * kDigits;
+    if (nan || std::isinf(amax)) {
+      s[0] = NAN;
+      continue;
+    }
+    if (amax == 0.0) continue;   // digits, scales and sums 0
+    s[0] = amax / 127.0;
+    for (int d = 1; d < kDigits; ++d) s[d] = s[d - 1] / 254.0;
+    __m512d sv[kDigits], inv[kDigits];
+    for (int d = 0; d < kDigits; ++d) sv[d] = _mm512_set1_pd(s[d]), inv[d] = _mm512_set1_pd(1.0 / s[d]);
+    const __m512d lo = _mm512_set1_pd(-127.0), hi = _mm512_set1_pd(127.0);
+    __m256i sums[kDigits];
+    for (int d = 0; d < kDigits; ++d) sums[d] = _mm256_setzero_si256();
+    int8_t* qr = a.q.data() + r * kDigits * a.Kp;
+    for (int64_t k = 0; k < K; k += 8) {   // 8 lanes of float64; the tail reads zeros (digits 0)
+      const __mmask8 m = K - k >= 8 ? __mmask8(0xff) : static_cast<__mmask8>((1u << (K - k)) - 1u);
+      __m512d rest = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, xr + k));
+      for (int d = 0; d < kDigits; ++d) {
+        // x * (1/s) instead of x / s: a digit one off at a near-tie leaves a remainder
+        // the next digit takes; the clamp keeps |q| <= 127 whatever the rounding.
+        __m512d qd = _mm512_roundscale_pd(_mm512_mul_pd(rest, inv[d]), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qd = _mm512_min_pd(_mm512_max_pd(qd, lo), hi);
+        rest = _mm512_fnmadd_pd(qd, sv[d], rest);
+        const __m256i qi = _mm512_cvtpd_epi32(qd);
+        sums[d] = _mm256_add_epi32(sums[d], qi);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + d * a.Kp + k), _mm256_cvtepi32_epi8(qi));
+      }
+    }
+    for (int d = 0; d < kDigits; ++d) {
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums[d]);
+      int32_t t = 0;
+      for (int l = 0; l < 8; ++l) t += lanes[l];
+      a.qsum[r * kDigits + d] = t;
+    }
+  }
+  return a;
+}
+
+#define GLM5_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// out[m][d] = sum_k (w[k] + 128) * q_m,d[k] mod 2^32 for MB activation rows
+// (q[m]: the row's digits, Kp apart), one weight row read start to end; U
+// vectors of weights in flight (independent accumulator chains).
+template <int MB, int U>
+GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, const int8_t* w, int64_t K,
+                                        uint32_t (*out)[kDigits]) {
+  __m512i acc[U][MB][kDigits];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MB; ++m)
+      for (int d = 0; d < kDigits; ++d) acc[u][m][d] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t k = 0;
+  for (; k + 64 * U <= K; k += 64 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(w + k + 64 * u), flip);
+      for (int m = 0; m < MB; ++m)
+        for (int d = 0; d < kDigits; ++d)
+          acc[u][m][d] = _mm512_dpbusd_epi32(acc[u][m][d], wv, _mm512_loadu_si512(q[m] + d * Kp + k + 64 * u));
+    }
+  for (; k < K; k += 64) {   // whole vectors, then a masked tail (its digits are zero-padded)
+    const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+    const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + k), flip);
+    for (int m = 0; m < MB; ++m)
+      for (int d = 0; d < kDigits; ++d)
+        acc[0][m][d] = _mm512_dpbusd_epi32(acc[0][m][d], wv, _mm512_loadu_si512(q[m] + d * Kp + k));
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int d = 0; d < kDigits; ++d) {
+      __m512i v = acc[0][m][d];
+      for (int u = 1; u < U; ++u) v = _mm512_add_epi32(v, acc[u][m][d]);
+      out[m][d] = static_cast<uint32_t>(_mm512_reduce_add_epi32(v));
+    }
+}
+
+// y[(r0 + i) * ldy + n] = float(scale[n] * sum_d s_d (w[n] . q_d) + bias[n]) for the
+// activation rows r0 + i (i < M) of `a` and the weight rows n in [n0, n1) of w [*, K]
+// (scale and bias indexed by n; bias may be null). Each weight row is read once,
+// start to end, against blocks of up to 4 activation rows.
+GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigits& a, int64_t r0, int64_t M,
+                                                                   const int8_t* w, int64_t n0, int64_t n1,
+                                                                   const float* scale, const float* bias, float* y,
+                                                                   int64_t ldy) {
+  const int64_t K = a.K, Kp = a.Kp;
+  uint32_t out[4][kDigits];
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * K;
+    const double sc = scale[n], b = bias ? double(bias[n]) : 0.0;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mb = int(std::min<int64_t>(4, M - m0));
+      const int8_t* q[4];
+      for (int i = 0; i < mb; ++i) q[i] = a.row(r0 + m0 + i);
+      switch (mb) {
+        case 1: dot_digits<1, 2>(q, Kp, wr, K, out); break;
+        case 2: dot_digits<2, 1>(q, Kp, wr, K, out); break;
+        case 3: dot_digits<3, 1>(q, Kp, wr, K, out); break;
+        default: dot_digits<4, 1>(q, Kp, wr, K, out); break;
+      }
+      for (int i = 0; i < mb; ++i) {
+        const int64_t r = r0 + m0 + i;
+        const double* s = a.scales(r);
+        const int32_t* qs = a.sums(r);
+        double v = 0.0;
+        if (a.finite(r)) {
+          for (int d = 0; d < kDigits; ++d) {   // exact: |w . q| < 2^31 (K <= kVnniMaxK)
+            const int32_t dot = static_cast<int32_t>(out[i][d] - 128u * static_cast<uint32_t>(qs[d]));
+            v += s[d] * double(dot);
+          }
+        } else {
+          const float* xr = a.xrow(r);
+          for (int64_t k = 0; k < K; ++k) v += double(wr[k]) * double(xr[k]);
+        }
+        y[r * ldy + n] = static_cast<float>(sc * v + b);
+      }
+    }
+  }
+}
+
+#undef GLM5_VNNI_TARGET
+
+#else
+
+inline bool cpu_has_vnni() { return false; }
+
+#endif
+
+// Whether a decode call with rows of K elements takes the digits kernel.
+inline bool use_digits(int64_t K) { return cpu_has_vnni() && K >= 1 && K <= kVnniMaxK; }
+
+}  // namespace vnni
+}  // namespace cpu
+}  // namespace glm5
