@@ -166,11 +166,15 @@ struct ExpertTiles {
   }
 
   // The same items on VNNI (int8_vnni.h): activation digits, integer dot products.
+  // Each expert's run of tiles in one call (one stream, prefetched ahead within the expert).
   void run_digits(const vnni::ActDigits& digits, int64_t t0, int64_t t1) const {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / per_expert], n0 = (t % per_expert) * kTileRows;
+    for (int64_t t = t0; t < t1;) {
+      const int64_t i = t / per_expert, e = active[i];
+      const int64_t t_end = std::min(t1, (i + 1) * per_expert);
       const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
-      vnni::rows_digits(digits, r0, M, w + e * N * K, n0, std::min(N, n0 + kTileRows), scale + e * N, nullptr, y, N);
+      vnni::rows_digits(digits, r0, M, w + e * N * K, (t % per_expert) * kTileRows,
+                        std::min(N, (t_end - i * per_expert) * kTileRows), scale + e * N, nullptr, y, N);
+      t = t_end;
     }
   }
 #endif

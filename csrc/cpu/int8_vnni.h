@@ -43,6 +43,7 @@ namespace vnni {
 
 constexpr int64_t kVnniMaxK = 131072;   // see above: 127 * 127 * K < 2^31
 constexpr int kDigits = 3;
+constexpr int64_t kPrefetchBytes = 8192;   // gemv_tiles.h's distance (measured best there)
 
 #if defined(__AVX512F__)
 
@@ -163,7 +164,7 @@ GLM5_VNNI_TARGET inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i
 // (j, m, d) has its own accumulator chain.
 template <int NB, int MB>
 GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, const int8_t* const* w, int64_t K,
-                                        uint32_t* out) {
+                                        uint32_t* out, const int8_t* pf) {
   __m512i acc[NB][MB][kDigits];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m)
@@ -172,7 +173,10 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {   // plain loads: masked ones on every vector measured 2x slower
     __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k), flip);
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k), flip);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 64 * NB + j) * 64), _MM_HINT_T0);
+    }
     for (int m = 0; m < MB; ++m)
       for (int d = 0; d < kDigits; ++d) {
         const __m512i qv = _mm512_load_si512(q[m] + d * Kp + k);
@@ -201,12 +205,12 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
 
 // One block: nb weight rows x one activation row -> out (dot_digits's layout).
 GLM5_VNNI_TARGET inline void block_digits(int nb, const int8_t* const* q, int64_t Kp, const int8_t* const* w,
-                                          int64_t K, uint32_t* out) {
+                                          int64_t K, uint32_t* out, const int8_t* pf) {
   switch (nb) {
-    case 1: dot_digits<1, 1>(q, Kp, w, K, out); return;
-    case 2: dot_digits<2, 1>(q, Kp, w, K, out); return;
-    case 3: dot_digits<3, 1>(q, Kp, w, K, out); return;
-    default: dot_digits<4, 1>(q, Kp, w, K, out); return;
+    case 1: dot_digits<1, 1>(q, Kp, w, K, out, nullptr); return;
+    case 2: dot_digits<2, 1>(q, Kp, w, K, out, nullptr); return;
+    case 3: dot_digits<3, 1>(q, Kp, w, K, out, nullptr); return;
+    default: dot_digits<4, 1>(q, Kp, w, K, out, pf); return;
   }
 }
 
@@ -223,6 +227,10 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
                                                                    int64_t ldy) {
   constexpr int kNB = 4;
   const int64_t K = a.K, Kp = a.Kp;
+  // A later block is prefetched (one line per line read, with the first activation
+  // row): at M > 1 the block is computed on M times, too slowly for the hardware
+  // prefetcher to keep the stream ahead. At least kPrefetchBytes ahead.
+  const int64_t ahead = kNB * ((kPrefetchBytes + kNB * K - 1) / (kNB * K));
   uint32_t out[kNB * kDigits];
   for (int64_t n = n0; n < n1; n += kNB) {
     const int nb = int(std::min<int64_t>(kNB, n1 - n));
@@ -230,7 +238,7 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
     for (int j = 0; j < nb; ++j) wr[j] = w + (n + j) * K;
     for (int64_t r = r0; r < r0 + M; ++r) {
       const int8_t* q[1] = {a.row(r)};
-      block_digits(nb, q, Kp, wr, K, out);
+      block_digits(nb, q, Kp, wr, K, out, r == r0 && n + ahead + kNB <= n1 ? w + (n + ahead) * K : nullptr);
       const double* s = a.scales(r);
       const int32_t* qs = a.sums(r);
       for (int j = 0; j < nb; ++j) {
