@@ -175,7 +175,7 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k), flip);
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 64 * NB + j) * 64), _MM_HINT_T0);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 64 * NB + j) * 64), _MM_HINT_T1);
     }
     for (int m = 0; m < MB; ++m)
       for (int d = 0; d < kDigits; ++d) {
