@@ -15,11 +15,14 @@
 //   CPU has AVX512_VNNI (checked at run time; the build's x86-64-v4 does not
 //   include it) and K <= 131072, int8_vnni.h: each activation row written once
 //   as three int8 digits (max|x|/127, /254, /254; residual <= 6.1e-8 max|x| per
-//   element, fp32's order), exact int32 dot products by vpdpbusd (~5 vector ops
-//   per 64 weight bytes and activation row instead of ~12 for widening the
-//   weights to fp32, which bound the decode paths below the memory bandwidth),
-//   combined in float64; each thread reads a contiguous range of weight rows,
-//   each row start to end. Otherwise the GEMV tiles of gemv_tiles.h stream 8
+//   element, fp32's order), exact int32 dot products by vpdpbusd (3 per 64
+//   weight bytes and activation row, against ~12 ops to widen the weights to
+//   fp32 and FMA them, which bound the decode paths below the memory
+//   bandwidth), combined in float64; each thread reads a contiguous range of
+//   weight rows, 4 side by side, prefetched into L2. Measured (bench/RESULTS.md,
+//   "fused_moe_int8 decode"): fused_moe_int8 decode 1.15-1.3x, int8_linear
+//   M=1 1.2-1.5x, M=16 about even, M=4 even to 1.4x slower on K=2048 rows.
+//   Otherwise the GEMV tiles of gemv_tiles.h stream 8
 //   int8 weight rows side by side per thread, widening 16 int8 to fp32 in
 //   registers and FMA-ing against fp32 activations: a quarter of fp32's bytes.
 // - Many rows (prefill): compute bounds the step. The weight-only path
