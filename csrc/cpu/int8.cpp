@@ -21,7 +21,7 @@
 //   bandwidth), combined in float64; each thread reads a contiguous range of
 //   weight rows, 4 side by side, prefetched into L2. Measured (bench/RESULTS.md,
 //   "fused_moe_int8 decode"): fused_moe_int8 decode 1.15-1.3x, int8_linear
-//   M=1 1.2-1.5x, M=16 about even, M=4 even to 1.4x slower on K=2048 rows.
+//   M=1-2 1.2-1.65x, M=16 1.0-1.19x, M=4-8 0.72-1.17x (slower on K=2048 rows).
 //   Otherwise the GEMV tiles of gemv_tiles.h stream 8
 //   int8 weight rows side by side per thread, widening 16 int8 to fp32 in
 //   registers and FMA-ing against fp32 activations: a quarter of fp32's bytes.
