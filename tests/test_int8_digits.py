@@ -63,7 +63,7 @@ def _assert_within_digits_bound(y, x, w, s, bias=None):
         assert bool((err <= 1e-4 * expect.abs() + 1e-4 * K ** 0.5).all())
 
 
-@pytest.mark.parametrize("K", [1, 5, 63, 64, 65, 191, 1000])
+@pytest.mark.parametrize("K", [1, 5, 63, 64, 65, 191, 1000, 2500])
 @pytest.mark.parametrize("M", [1, 3, 16])
 def test_int8_linear_digits_meet_their_bound(M, K):
     """Odd K (below one vector, a tail, whole vectors), the 1/2/3/4-row blocks."""
@@ -107,9 +107,10 @@ def test_non_finite_rows_propagate_and_leave_the_others_alone():
         assert torch.equal(y[m], glm5_ops.int8_linear(x[m:m + 1], w, s)[0])
 
 
-def test_int8_linear_rows_are_thread_and_batch_independent():
-    """2 threads split the 700 rows of K=400 (grain 163 rows); each row alone = in the batch."""
-    K, N = 400, 700
+@pytest.mark.parametrize("K,N", [(400, 700), (2500, 90)])
+def test_int8_linear_rows_are_thread_and_batch_independent(K, N):
+    """2 threads split the rows (grain 64 KiB / K rows); each row alone = in the batch
+    (K=2500: 39 whole vectors and a 4-byte tail)."""
     w, s = _weight(N, K, seed=12)
     x = fresh(6, K, seed=13)
     threads = torch.get_num_threads()
