@@ -74,6 +74,9 @@ TORCH_LIBRARY(glm5, m) {
   // more than a few) are quantised per row at run time and multiplied in int8, as in w8a8_linear
   m.def("fused_moe_int8(Tensor x, Tensor w_gate_up, Tensor gate_up_scale, Tensor w_down, Tensor down_scale, "
         "Tensor weights, Tensor ids, bool w8a8) -> Tensor");
+  // which kernel serves int8 decode rows of K elements here: "vnni_digits" (int8 digits of the
+  // activations, vpdpbusd), "avx512_fp32" or "portable_fp32" (int8 weights widened to fp32)
+  m.def("int8_decode_kernel(int K) -> str");
 }
 
 // The Python module glm5_ops._C: importing it runs the registrations above

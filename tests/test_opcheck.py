@@ -146,8 +146,9 @@ def _triton_runs(args) -> bool:
 
 # Ops without tensor arguments: opcheck's fake-tensor and autograd checks have
 # nothing to trace. cpu_lane_costs (two constants of the CPU attention kernel)
-# is tested against the kernel's behaviour in tests/test_attention_modes.py.
-NO_TENSOR_OPS = {"cpu_lane_costs"}
+# is tested against the kernel's behaviour in tests/test_attention_modes.py;
+# int8_decode_kernel (which int8 decode kernel runs) in tests/test_int8_digits.py.
+NO_TENSOR_OPS = {"cpu_lane_costs", "int8_decode_kernel"}
 
 
 def test_every_op_is_checked():

@@ -11,10 +11,20 @@
 //                w_down int8 [E,D,I], down_scale fp32 [E,D], weights[T,k], ids int32 [T,k]) -> [T,D]
 //
 // Why these paths (bench/int8_bench.py measures them; bench/RESULTS.md, "INT8"):
-// - Few rows (decode, M <= kGemvRows): the weights are the traffic. The GEMV
-//   tiles of gemv_tiles.h stream 8 int8 weight rows side by side per thread
-//   (a contiguous range of rows each), widening 16 int8 to fp32 in registers
-//   and FMA-ing against fp32 activations: a quarter of fp32's bytes.
+// - Few rows (decode, M <= kGemvRows): the weights are the traffic. Where the
+//   CPU has AVX512_VNNI (checked at run time; the build's x86-64-v4 does not
+//   include it) and K <= 131072, int8_vnni.h: each activation row written once
+//   as three int8 digits (max|x|/127, /254, /254; residual <= 6.1e-8 max|x| per
+//   element, fp32's order), exact int32 dot products by vpdpbusd (3 per 64
+//   weight bytes and activation row, against ~12 ops to widen the weights to
+//   fp32 and FMA them, which bound the decode paths below the memory
+//   bandwidth), combined in float64; each thread reads a contiguous range of
+//   weight rows, 4 side by side, prefetched into L2. Measured (bench/RESULTS.md,
+//   "fused_moe_int8 decode"): fused_moe_int8 decode 1.15-1.3x, int8_linear
+//   M=1-2 1.2-1.65x, M=16 1.0-1.19x, M=4-8 0.72-1.17x (slower on K=2048 rows).
+//   Otherwise the GEMV tiles of gemv_tiles.h stream 8
+//   int8 weight rows side by side per thread, widening 16 int8 to fp32 in
+//   registers and FMA-ing against fp32 activations: a quarter of fp32's bytes.
 // - Many rows (prefill): compute bounds the step. The weight-only path
 //   dequantises the weight once into x's dtype and calls the BLAS GEMM (the
 //   dequantisation is O(N K) against the GEMM's O(M N K)); the W8A8 path calls
@@ -24,7 +34,8 @@
 //   expert; when no expert has more than kGemvRows rows (decode, T <= 16 with
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
 //   (expert, 8-row tile) items split evenly between the threads (with AVX-512
-//   each item's rows read one after another: one sequential stream per thread),
+//   each item's rows read one after another: one sequential stream per thread;
+//   on VNNI the int8_vnni.h kernel, digits of the T token rows made once),
 //   silu(g)*u, then down likewise (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
 //   by its row count. A gather by token sums its k slots in order
 //   (deterministic, no atomics).
@@ -39,10 +50,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "checks.h"
 #include "gemv_tiles.h"
+#include "int8_vnni.h"
 #include "parallel.h"
 
 namespace glm5 {
@@ -57,6 +70,15 @@ constexpr int64_t kMinBytesPerThread = 1 << 16;   // below this a second thread 
 // contiguous range of weight rows (gemv_tiles.h; a row's result does not depend on M).
 void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
           float* y) {
+#if defined(__AVX512F__)
+  if (vnni::use_digits(K)) {   // int8_vnni.h: each thread reads its contiguous range of rows start to end
+    const vnni::ActDigits digits = vnni::make_digits(x, M, K, K);
+    at::parallel_for(0, N, std::max<int64_t>(1, kMinBytesPerThread / K), [&](int64_t n0, int64_t n1) {
+      vnni::rows_digits(digits, 0, M, w, n0, n1, scale, bias, y, N);
+    });
+    return;
+  }
+#endif
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * std::max<int64_t>(K, 1)));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
@@ -145,6 +167,19 @@ struct ExpertTiles {
       }
     }
   }
+
+  // The same items on VNNI (int8_vnni.h): activation digits, integer dot products.
+  // Each expert's run of tiles in one call (one stream, prefetched ahead within the expert).
+  void run_digits(const vnni::ActDigits& digits, int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < t1;) {
+      const int64_t i = t / per_expert, e = active[i];
+      const int64_t t_end = std::min(t1, (i + 1) * per_expert);
+      const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
+      vnni::rows_digits(digits, r0, M, w + e * N * K, (t % per_expert) * kTileRows,
+                        std::min(N, (t_end - i * per_expert) * kTileRows), scale + e * N, nullptr, y, N);
+      t = t_end;
+    }
+  }
 #endif
 
   // Portable path: gemv_tiles.h's tiles, 8 rows side by side, prefetching across experts.
@@ -182,8 +217,9 @@ struct ExpertTiles {
   }
 };
 
+// digits: x's rows as int8_vnni.h's digits (the VNNI kernel), or null.
 void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
-                 const int8_t* w, const float* scale, int64_t N, float* y) {
+                 const int8_t* w, const float* scale, int64_t N, float* y, const void* digits) {
   const int64_t per_expert = (N + kTileRows - 1) / kTileRows;
   const int64_t tile_bytes = kTileRows * std::max<int64_t>(K, 1);
   // gemv::rows's rule: rows longer than kPrefetchMaxRowBytes stream well enough on their own.
@@ -192,8 +228,14 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
   const int64_t tiles = int64_t(active.size()) * per_expert;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
 #if defined(__AVX512F__)
+  if (digits) {
+    const auto& d = *static_cast<const vnni::ActDigits*>(digits);
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_digits(d, t0, t1); });
+    return;
+  }
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
 #else
+  TORCH_CHECK(digits == nullptr, "expert_gemv: activation digits need an AVX-512 build");
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
 #endif
 }
@@ -348,16 +390,31 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   int64_t busiest = 0;
   for (int64_t e = 0; e < E; ++e) busiest = std::max(busiest, offsets[e + 1] - offsets[e]);
   if (busiest <= kGemvRows) {   // decode: every chosen expert's int8 rows streamed once, all experts in one pass
-    auto xs = at::empty({T * k, D}, x.options());
-    float* xsp = xs.data_ptr<float>();
-    for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);
     std::vector<int64_t> active;
     for (int64_t e = 0; e < E; ++e)
       if (offsets[e + 1] > offsets[e]) active.push_back(e);
     auto h = at::empty({T * k, I2}, x.options());
-    expert_gemv(offsets, active, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>());
-    const at::Tensor a = (at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I)).contiguous();
-    expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys);
+    const at::Tensor a = at::empty({T * k, I}, x.options());
+#if defined(__AVX512F__)
+    if (vnni::use_digits(D) && vnni::use_digits(I)) {   // digits of the T token rows, read through the sort
+      vnni::ActDigits xd = vnni::make_digits(xp, T, D, D);
+      xd.map.resize(T * k);
+      for (int64_t r = 0; r < T * k; ++r) xd.map[r] = pair_of[r] / k;
+      expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(), &xd);
+      a.copy_(at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I));
+      const vnni::ActDigits ad = vnni::make_digits(a.data_ptr<float>(), T * k, I, I);
+      expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, &ad);
+    } else
+#endif
+    {
+      auto xs = at::empty({T * k, D}, x.options());
+      float* xsp = xs.data_ptr<float>();
+      for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);
+      expert_gemv(offsets, active, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(),
+                  nullptr);
+      a.copy_(at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I));
+      expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, nullptr);
+    }
   } else {
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
@@ -403,9 +460,23 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   return out.to(x_in.scalar_type());
 }
 
+// Which kernel serves int8_linear / fused_moe_int8 decode rows of K elements on
+// this CPU and build (tests assert the VNNI kernel runs where the CPU has it).
+std::string int8_decode_kernel(int64_t K) {
+  TORCH_CHECK_VALUE(K >= 0, "int8_decode_kernel: K must be >= 0, got ", K);
+  if (vnni::use_digits(K)) return "vnni_digits";
+#if defined(__AVX512F__)
+  return "avx512_fp32";
+#else
+  return "portable_fp32";
+#endif
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace glm5
+
+TORCH_LIBRARY_IMPL(glm5, CompositeExplicitAutograd, m) { m.impl("int8_decode_kernel", &glm5::cpu::int8_decode_kernel); }
 
 TORCH_LIBRARY_IMPL(glm5, CPU, m) {
   m.impl("int8_quantize_rows", &glm5::cpu::int8_quantize_rows);

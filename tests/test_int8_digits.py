@@ -1,0 +1,153 @@
+"""The int8 decode kernels' VNNI path (csrc/cpu/int8_vnni.h): each fp32 activation
+row becomes three int8 digits (scales max|x|/127, /254, /254) multiplied by the
+int8 weights in exact int32 dot products, so that against the float64 oracle
+    |y - y_ref| <= scale * sum_k |w_k| * 6.1e-8 * max|x| + half an ulp of y.
+On a CPU without AVX512_VNNI the same tests run the fp32 path at the usual
+fp32 tolerance; the first test says which path this machine takes."""
+import pytest
+import torch
+
+import glm5_ops
+from glm5_ops import reference as ref
+from conftest import fresh
+
+DIGITS_REL = 1.0 / (2 * 127 * 254 * 254)   # the digits' residual per element, relative to max|x|
+
+
+def _kernel(K):
+    return torch.ops.glm5.int8_decode_kernel(K)
+
+
+def _cpu_has_vnni():
+    try:
+        return " avx512_vnni" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+VNNI = _kernel(1024) == "vnni_digits"
+
+
+def test_decode_takes_the_vnni_kernel_where_the_cpu_has_it(capsys):
+    kernel = _kernel(1024)
+    with capsys.disabled():
+        print(f"\nint8 decode kernel on this machine: {kernel}")
+    if _cpu_has_vnni():   # only a portable (non-AVX-512) build may skip it here
+        assert kernel in ("vnni_digits", "portable_fp32")
+    else:
+        assert kernel in ("avx512_fp32", "portable_fp32")
+    assert _kernel(131072) == kernel        # the int32 bound: 127 * 127 * K < 2^31
+    assert _kernel(131073) != "vnni_digits"
+    assert _kernel(0) != "vnni_digits"
+    with pytest.raises(ValueError, match="K"):
+        _kernel(-1)
+
+
+def _weight(N, K, seed):
+    return glm5_ops.quantize_int8(fresh(N, K, seed=seed, scale=K ** -0.5))
+
+
+def _assert_within_digits_bound(y, x, w, s, bias=None):
+    """y against the float64 oracle: the digits bound on the VNNI path, fp32's otherwise."""
+    expect = x.double() @ (w.double() * s.double()[:, None]).T
+    if bias is not None:
+        expect = expect + bias.double()
+    err = (y.double() - expect).abs()
+    if VNNI:
+        amax = x.double().abs().amax(1, keepdim=True)
+        bound = (s.double()[None, :] * w.double().abs().sum(1)[None, :]) * amax * DIGITS_REL * 1.001
+        bound = bound + expect.abs() * 2.0 ** -24 + 1e-30
+        assert bool((err <= bound).all()), float((err - bound).max())
+    else:
+        K = x.shape[1]
+        assert bool((err <= 1e-4 * expect.abs() + 1e-4 * K ** 0.5).all())
+
+
+@pytest.mark.parametrize("K", [1, 5, 63, 64, 65, 191, 1000, 2500])
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_int8_linear_digits_meet_their_bound(M, K):
+    """Odd K (below one vector, a tail, whole vectors), the 1/2/3/4-row blocks."""
+    w, s = _weight(37, K, seed=K)
+    x = fresh(M, K, seed=M * 1000 + K)
+    bias = fresh(37, seed=7)
+    _assert_within_digits_bound(glm5_ops.int8_linear(x, w, s, bias), x, w, s, bias)
+
+
+def test_one_huge_element_and_a_tiny_rest():
+    """The digits carry max|x| / 16e6 at best: tiny elements beside a huge one vanish
+    into the residual, an error of the order of fp32's rounding of the huge term."""
+    K = 300
+    w, s = _weight(19, K, seed=3)
+    x = fresh(4, K, seed=4) * 1e-6
+    x[:, 17] = torch.tensor([1e4, -3e5, 7.0, 1e-3])
+    _assert_within_digits_bound(glm5_ops.int8_linear(x, w, s), x, w, s)
+
+
+def test_zero_row_gives_the_bias_exactly():
+    w, s = _weight(9, 130, seed=5)
+    x = fresh(3, 130, seed=6)
+    x[1] = 0
+    bias = fresh(9, seed=8)
+    y = glm5_ops.int8_linear(x, w, s, bias)
+    assert torch.equal(y[1], bias)
+    _assert_within_digits_bound(y, x, w, s, bias)
+
+
+def test_non_finite_rows_propagate_and_leave_the_others_alone():
+    K = 200
+    w, s = _weight(11, K, seed=9)
+    x = fresh(4, K, seed=10)
+    x[1, 5] = float("nan")
+    x[2, 7] = float("inf")
+    y = glm5_ops.int8_linear(x, w, s)
+    assert bool(y[1].isnan().all())
+    expect = ref.int8_linear(x, w, s)
+    assert torch.equal(y[2].isinf(), expect[2].isinf()) and torch.equal(y[2].isnan(), expect[2].isnan())
+    for m in (0, 3):
+        assert torch.equal(y[m], glm5_ops.int8_linear(x[m:m + 1], w, s)[0])
+
+
+@pytest.mark.parametrize("K,N", [(400, 700), (2500, 90)])
+def test_int8_linear_rows_are_thread_and_batch_independent(K, N):
+    """2 threads split the rows (grain 64 KiB / K rows); each row alone = in the batch
+    (K=2500: 39 whole vectors and a 4-byte tail)."""
+    w, s = _weight(N, K, seed=12)
+    x = fresh(6, K, seed=13)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(glm5_ops.int8_linear(x, w, s))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    alone = torch.cat([glm5_ops.int8_linear(x[m:m + 1], w, s) for m in range(6)])
+    assert torch.equal(outs[0], alone)
+    _assert_within_digits_bound(outs[0], x, w, s)
+
+
+def test_k_above_the_int32_bound_takes_the_fp32_path():
+    K = 131073   # 127 * 127 * K >= 2^31: the digits' int32 sums could overflow
+    w, s = _weight(3, K, seed=14)
+    x = fresh(2, K, seed=15)
+    y = glm5_ops.int8_linear(x, w, s)
+    torch.testing.assert_close(y, ref.int8_linear(x, w, s), rtol=1e-4, atol=1e-4 * K ** 0.5)
+
+
+def test_fused_moe_int8_decode_digits_against_float64():
+    """The MoE decode path: gate/up digits of the token rows read through the sort,
+    down digits of silu(g)*u. Its error is the two projections' digit bounds carried
+    through silu, far inside the fp32 tolerance the oracle test uses; checked here at
+    1e-6 relative to the output scale (the fp32 path: the usual 1e-4)."""
+    T, D, I, E, k = 5, 200, 67, 6, 2
+    g = torch.Generator().manual_seed(16)
+    wgu, sgu = glm5_ops.quantize_int8(torch.randn(E, 2 * I, D, generator=g) * D ** -0.5)
+    wd, sd = glm5_ops.quantize_int8(torch.randn(E, D, I, generator=g) * I ** -0.5)
+    x = torch.randn(T, D, generator=g)
+    weights = torch.rand(T, k, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    out = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids)
+    expect = ref.fused_moe_int8(x.double(), wgu, sgu, wd, sd, weights.double(), ids)
+    rel = 1e-6 if VNNI else 1e-4
+    torch.testing.assert_close(out.double(), expect, rtol=rel, atol=rel * float(expect.abs().max()))
