@@ -62,6 +62,13 @@ TORCH_LIBRARY(glm5, m) {
   // accumulation; a matrix-vector kernel for few rows (glm5_ops/plan.py decides when it runs)
   m.def("gemv(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 
+  // --- Per-token layers for inference (one kernel where torch runs a composite) ---
+  // x[..., D], weight[D] (x's dtype) -> weight * to_dtype(x * rsqrt(mean(x^2) + eps)), normalised in fp32
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // GLM-5's interleaved RoPE on the first rotary_dim channels of x[B,S,(H,)D], cos/sin[B,S,rotary_dim/2],
+  // written de-interleaved (transformers' layout); later channels copied
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, int rotary_dim) -> Tensor");
+
   // --- INT8 inference (per-row symmetric int8: x ~ q * scale, q in [-127, 127]) ---
   // x[..., K] -> (q int8[..., K], scale fp32[...])
   m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");

@@ -18,6 +18,7 @@ from .linear import gemv, gemv_heads, linear, linear_heads, takes_gemv as linear
 from .moe import fused_moe, moe_combine, moe_dispatch, moe_route
 from .moe_plan import MoEPlan
 from .recall import AttentionRecall, attention_recall
+from .token_ops import rms_norm, rope
 
 __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "indexer_scores", "topk_indices", "indexer_topk",
@@ -26,4 +27,4 @@ __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "moe_route", "moe_dispatch", "moe_combine", "fused_moe", "MoEPlan",
            "quantize_groupwise", "dequantize", "compressed_activations", "SavedTensorMeter",
            "quantize_int8", "int8_linear", "w8a8_linear", "fused_moe_int8",
-           "gemv", "gemv_heads", "linear", "linear_heads", "linear_takes_gemv"]
+           "gemv", "gemv_heads", "linear", "linear_heads", "linear_takes_gemv", "rms_norm", "rope"]

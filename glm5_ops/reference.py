@@ -711,3 +711,23 @@ def gemv(x, w, bias=None):
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype)
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm over the last dim in transformers' order: normalise in fp32,
+    round to x's dtype, then multiply by weight [D] (the model's composite;
+    differentiable)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rope(x, cos, sin, rotary_dim: int | None = None):
+    """GLM-5's interleaved RoPE on the first rotary_dim channels (all when
+    None) of x [B,S,D] or [B,S,H,D], cos/sin [B,S,rotary_dim/2]: pairs (x0,x1),
+    (x2,x3)... each rotated by one frequency, the result laid out
+    de-interleaved (all first members, then all second members) as
+    transformers does; channels past rotary_dim unchanged. Differentiable."""
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    if x.dim() == 4:
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., r:]], dim=-1)

@@ -133,6 +133,11 @@ CASES = {
     "int8_linear": lambda: _int8_linear_cases(),
     "w8a8_linear": lambda: _int8_linear_cases(),
     "fused_moe_int8": lambda: [(*_fused_int8(T), w8a8) for T in (3, 40) for w8a8 in (False, True)],
+    "rms_norm": lambda: [(fresh(3, 5, 40), fresh(40), 1e-6), (fresh(7, 33, dtype=torch.bfloat16),
+                                                            fresh(33, dtype=torch.bfloat16), 1e-5)],
+    "rope": lambda: [(fresh(2, 3, 4, 24)[..., 8:], fresh(2, 3, 8), fresh(2, 3, 8), 16),   # strided heads, tail copied
+                     (fresh(2, 5, 12, dtype=torch.bfloat16), fresh(2, 5, 6, dtype=torch.bfloat16),
+                      fresh(2, 5, 6, dtype=torch.bfloat16), 12)],
     "dequantize": lambda: [(*torch.ops.glm5.quantize_groupwise(fresh(6, 256), 4, 64, False, 0), 4, 64, [6, 256],
                             dtype) for dtype in (torch.float32, torch.bfloat16)],
 }

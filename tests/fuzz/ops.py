@@ -256,6 +256,25 @@ def gemv_heads(draw, d: Dims, raw: bool):
     return [_ft(draw, "x", [H, M, K], dt), _ft(draw, "w", [H, N, K], dt)]
 
 
+# --------------------------------------------------------------- token ops --
+
+def rms_norm(draw, d: Dims, raw: bool):
+    lead = [d(0, 4, (17,)) for _ in range(draw(st.integers(0, 2)))]
+    D, dt = d(0, 40, (65, 129)), draw(st.sampled_from(FLOATS))
+    wdt = dt if raw else draw(st.sampled_from([dt, dt, "float32"]))    # the public API promotes like torch
+    return [_ft(draw, "x", lead + [D], dt), _ft(draw, "weight", [D], wdt),
+            Arg("eps", draw(st.sampled_from([0.0, 1e-6, 1e-5, 0.1])), "float")]
+
+
+def rope(draw, d: Dims, raw: bool):
+    B, S, half = d(0, 4, ()), d(0, 9, (17,)), d(0, 8, (16, 32))
+    D = 2 * half + d(0, 3, ())
+    heads = [d(1, 5, (16,))] if draw(st.booleans()) else []
+    dt = draw(st.sampled_from(FLOATS))
+    return [_ft(draw, "x", [B, S] + heads + [D], dt), _ft(draw, "cos", [B, S, half], dt),
+            _ft(draw, "sin", [B, S, half], dt), Arg("rotary_dim", 2 * half, "int")]
+
+
 # --------------------------------------------------------------------- INT8 --
 
 def _i8(draw, name, shape) -> Arg:
@@ -312,6 +331,8 @@ PUBLIC = {
     "dequantize": (dequantize, ("cpp", "reference", "triton")),
     "gemv": (gemv, ("cpp", "reference")),
     "gemv_heads": (gemv_heads, ("cpp", "reference")),
+    "rms_norm": (rms_norm, ("cpp", "reference", "triton")),    # torch's composite where no kernel runs
+    "rope": (rope, ("cpp", "reference", "triton")),
     "quantize_int8": (quantize_int8, ("cpp", "reference")),
     "int8_linear": (int8_linear, ("cpp", "reference")),
     "w8a8_linear": (int8_linear, ("cpp", "reference")),
@@ -337,6 +358,8 @@ RAW = {
     "quantize_groupwise": quantize_groupwise,
     "dequantize": dequantize,
     "gemv": gemv,
+    "rms_norm": rms_norm,
+    "rope": rope,
     "int8_quantize_rows": quantize_int8,
     "int8_linear": int8_linear,
     "w8a8_linear": int8_linear,
