@@ -183,14 +183,13 @@ class DSAttention(AttentionMode):
     @torch.no_grad()
     def _indexer_topk(self, attn, step, ctx):
         """int32 [B,S,topk] logical key positions per query (-1 = none)."""
-        i, (B, S, _), T = attn.layer_idx, step.x.shape, step.index_keys.shape[1]
+        i, T = attn.layer_idx, step.index_keys.shape[1]
         topk = min(attn.config.index_topk, T)
         if T <= attn.config.index_topk:
             # Every visible key is chosen (transformers' top-k picks all T, the
             # causal mask drops the future): no need to score them.
             with nvtx_range(f"layer{i}/attn/topk"):
-                keys = torch.arange(T, dtype=torch.int32, device=step.x.device)
-                return torch.where(ctx.causal_mask(T), keys, -1).expand(B, S, T)
+                return ctx.every_key_selection(T)
         with nvtx_range(f"layer{i}/attn/indexer"):
             qi, wi = attn.indexer.query(step.x, step.q_resid, ctx.cos, ctx.sin)
             qi = qi.to(step.index_keys.dtype)

@@ -1,8 +1,8 @@
-"""The network's small pieces: the linear layer, RMSNorm, GLM-5's RoPE, the SwiGLU MLP."""
+"""The network's small pieces: the linear layer, RMSNorm, GLM-5's RoPE tables, the SwiGLU MLP
+(RoPE itself: glm5_ops.rope)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import glm5_ops
@@ -26,10 +26,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # transformers' order: normalise in fp32, round to x's dtype, then the
-        # weight. F.rms_norm does the normalising in one call (a decode step
-        # runs 33 norms: 6 dispatches each before, 2 now).
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        # transformers' order (normalise in fp32, round to x's dtype, then the
+        # weight), one kernel at inference: glm5_ops.rms_norm.
+        return glm5_ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
@@ -37,16 +36,6 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype: torch.d
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=positions.device) / dim))
     freqs = positions[..., None].float() * inv_freq
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
-
-
-def apply_rope(x, cos, sin):
-    """GLM-5's interleaved RoPE: pairs (x0,x1), (x2,x3)... each rotated by one
-    frequency; like transformers, the result is laid out de-interleaved
-    (all first members, then all second members). x [B,S,(H,)dim]."""
-    if x.dim() == 4:
-        cos, sin = cos[:, :, None], sin[:, :, None]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class MLP(nn.Module):

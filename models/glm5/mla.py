@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import glm5_ops
 from glm5_ops.nvtx import nvtx_range
 
 from .config import GLM5Config
-from .layers import Linear, RMSNorm, apply_rope
+from .layers import Linear, RMSNorm
 from .workspace import Workspace, assign, heads_product, joined
 
 
@@ -34,13 +35,9 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False)
 
-    def _rope_front(self, x, cos, sin):
-        r = self.rope_dim
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-
     def key(self, x, cos, sin):
         """The cached indexer key of each token, [B, S, head_dim]."""
-        return self._rope_front(self.k_norm(self.wk(x)), cos, sin)
+        return glm5_ops.rope(self.k_norm(self.wk(x)), cos, sin, self.rope_dim)
 
     def query(self, x, q_resid, cos, sin):
         """(q [B,S,H,D], w fp32 [B,S,H]) for indexer_topk. transformers scores
@@ -48,7 +45,7 @@ class Indexer(nn.Module):
         into w since relu(c*a) = c*relu(a) for c > 0."""
         B, S, _ = x.shape
         q = self.wq_b(q_resid).view(B, S, self.n_heads, self.head_dim)
-        q = self._rope_front(q, cos, sin)
+        q = glm5_ops.rope(q, cos, sin, self.rope_dim)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
         return q, w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
 
@@ -131,9 +128,9 @@ class MLAttention(nn.Module):
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(B, S, self.n_heads, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
-        q_rot = assign(q_rot, apply_rope(q_rot, cos, sin))
+        q_rot = assign(q_rot, glm5_ops.rope(q_rot, cos, sin))
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
-        kv = torch.cat([self.kv_a_layernorm(latent), apply_rope(k_rot, cos, sin)], dim=-1)
+        kv = torch.cat([self.kv_a_layernorm(latent), glm5_ops.rope(k_rot, cos, sin)], dim=-1)
         return q_nope, q_rot, q_resid, kv
 
     def _absorb(self):

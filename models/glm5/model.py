@@ -145,7 +145,7 @@ class SegmentContext:
         self.cos, self.sin = self.take(fwd.cos), self.take(fwd.sin)
         self.device = self.cos.device
         self.workspace = Workspace()
-        self._mask = None
+        self._mask = self._every_key = None
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """This segment's [B, S, ...] view of a per-token tensor of the forward."""
@@ -161,6 +161,15 @@ class SegmentContext:
             pos_q = start + torch.arange(self.S, device=self.device)
             self._mask = torch.arange(T, device=self.device) <= pos_q[..., None]
         return self._mask
+
+    def every_key_selection(self, T: int):
+        """int32 [B, S, T]: each query's causal keys 0..T-1, -1 past its own
+        position (DSA's choice while the context fits index_topk); built once
+        per forward, shared by its layers."""
+        if self._every_key is None or self._every_key.shape[-1] != T:
+            keys = torch.arange(T, dtype=torch.int32, device=self.device)
+            self._every_key = torch.where(self.causal_mask(T), keys, -1).expand(self.B, self.S, T)
+        return self._every_key
 
     def sdpa_mask(self, T: int):
         """(attn_mask, is_causal) for SDPA: its own causal flag when the queries are all T keys."""
