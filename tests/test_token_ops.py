@@ -135,3 +135,14 @@ def test_the_model_runs_them_at_decode():
         finally:
             token_ops.cpp_ops = real
     assert calls["rms_norm"] >= 2 * model.config.num_hidden_layers and calls["rope"] >= 2 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_degenerate_shapes_give_empty_results(backend):
+    """docs/OPS.md, "Degenerate shapes": empty in, empty out of x's shape; rotary_dim 0 copies x."""
+    with glm5_ops.use_backend(backend):
+        assert glm5_ops.rms_norm(fresh(3, 0), fresh(0), 1e-6).shape == (3, 0)
+        assert glm5_ops.rms_norm(fresh(0, 5), fresh(5), 1e-6).shape == (0, 5)
+        assert glm5_ops.rope(fresh(0, 3, 8), fresh(0, 3, 4), fresh(0, 3, 4)).shape == (0, 3, 8)
+        x = fresh(2, 3, 2, 6)
+        assert torch.equal(glm5_ops.rope(x, fresh(2, 3, 0), fresh(2, 3, 0), 0), x)
