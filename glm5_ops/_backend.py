@@ -44,6 +44,21 @@ def current_backend(device: torch.device) -> str:
     return _override.get() or _DEFAULT.get(device.type, "reference")
 
 
+def cpu_inference_kernel_applies(*tensors) -> bool:
+    """Whether an inference-only CPU kernel (gemv, rms_norm, rope) may take
+    these tensors (None entries: absent optional arguments): all plain CPU
+    tensors (no subclass such as DTensor), none requiring grad while autograd
+    records, the "cpp" backend current and the extension built. Otherwise
+    the caller runs torch's differentiable path."""
+    present = [t for t in tensors if t is not None]
+    if _C is None or not all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+                             for t in present):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    return current_backend(present[0].device) == "cpp"
+
+
 def cpp_ops():
     """torch.ops.glm5, or a clear error when the extension is not built."""
     if _C is None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from . import _checks as check
 from . import plan, reference
-from ._backend import _C, cpp_ops, current_backend, dispatch, register_op
+from ._backend import _C, cpp_ops, cpu_inference_kernel_applies, dispatch, register_op
 
 GEMV_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -89,20 +89,12 @@ def _gemv_heads_kernel(x, w):
     return cpp_ops().gemv.default(x.contiguous(), w, None)
 
 
-def _plain(t) -> bool:
-    return t is None or (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu")
-
-
 def takes_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether linear(x, w, bias) runs the gemv kernel (see the module docstring);
     with w [H, N, K], whether gemv_heads(x [H, M, K], w) should (M rows a head)."""
-    if not (_plain(x) and _plain(w) and _plain(bias)) or x.dim() == 0 or w.dim() not in (2, 3):
+    if not cpu_inference_kernel_applies(x, w, bias) or x.dim() == 0 or w.dim() not in (2, 3):
         return False
     if x.dtype not in GEMV_DTYPES or w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
-        return False
-    if current_backend(x.device) != "cpp" or _C is None:
         return False
     rows = x.shape[-2] if w.dim() == 3 and x.dim() == 3 else x.numel() // max(x.shape[-1], 1)
     return plan.gemv_is_faster(rows, x.dtype)

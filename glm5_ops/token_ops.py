@@ -27,20 +27,12 @@ import torch
 
 from . import _checks as check
 from . import reference
-from ._backend import _C, cpp_ops, current_backend, register_op
-
-
-def _plain(t) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+from ._backend import _C, cpp_ops, cpu_inference_kernel_applies, register_op
 
 
 def takes_kernel(*tensors) -> bool:
     """Whether rms_norm / rope given these tensors run the C++ kernel (see the module docstring)."""
-    if not all(_plain(t) for t in tensors) or _C is None:
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return current_backend(tensors[0].device) == "cpp"
+    return cpu_inference_kernel_applies(*tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
