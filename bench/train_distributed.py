@@ -2,6 +2,7 @@
 
     python bench/train_distributed.py overlap --layers 4    # dp_shard=4, K=4: prefetch on/off alternated
     python bench/train_distributed.py memory                # one process vs dp_shard=4, memory policy none/recompute
+    python bench/train_distributed.py memory --ep 4         # ... vs 4 processes whose routed experts are split by EP
 
 overlap: one Trainer per process; steps alternate between all-gathers
 prefetched asynchronously (training/parallelize.py set_prefetch on) and
@@ -103,7 +104,8 @@ def _batch(kw, seed):
 def _trainer(world, kw):
     from training.distributed_train import Trainer
     from training.parallelize import ParallelDims
-    dims = ParallelDims(dp_shard=world)
+    ep = kw.get("ep", 1) if world > 1 else 1
+    dims = ParallelDims(dp_shard=world // ep, ep=ep)
     mesh = dims.build_mesh("cpu") if world > 1 else None
     return Trainer(_config(kw["layers"]), dims, mesh, micro_batches=kw["K"], lr=1e-4,
                    memory_policy=kw.get("policy", "none"))
@@ -254,9 +256,14 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="none,recompute")
     ap.add_argument("--trace-dir", default="runs/overlap-traces")
     ap.add_argument("--worlds", default="1,4", help="memory: the process counts to measure")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="memory: expert parallelism over this many of the processes (the rest dp_shard); "
+                         "one process ignores it")
     ap.add_argument("--trace", action="store_true",
                     help="memory: print RSS and glibc's heap per phase of the step (bench/memory_phases.py)")
     args = ap.parse_args(argv)
+    if args.ep < 1 or any(w > 1 and w % args.ep for w in map(int, args.worlds.split(","))):
+        ap.error(f"--ep {args.ep} must divide every process count in --worlds {args.worlds}")
     if args.what == "overlap":
         os.makedirs(args.trace_dir, exist_ok=True)
         res = launch(4, "overlap", layers=args.layers, batch=args.batch, seq=args.seq, K=args.K or 4,
@@ -277,18 +284,21 @@ def main(argv=None) -> int:
     for policy in args.policies.split(","):
         for world in (int(w) for w in args.worlds.split(",")):
             res = launch(world, "memory", layers=args.layers, batch=args.batch, seq=args.seq, K=args.K or 1,
-                         policy=policy, threads=1, trace=args.trace)
+                         policy=policy, threads=1, trace=args.trace, ep=args.ep)
             r = max(res, key=lambda r: r["peak_rss_mib"])
             trace = r.pop("trace", None)
-            rows.append(dict(policy=policy, world=world, **r, peak_by_rank=[round(x["peak_rss_mib"]) for x in res]))
+            ep = args.ep if world > 1 else 1
+            mesh = f"dp_shard={world // ep}" + (f" x ep={ep}" if ep > 1 else "") if world > 1 else "one process"
+            rows.append(dict(policy=policy, world=world, mesh=mesh, **r,
+                             peak_by_rank=[round(x["peak_rss_mib"]) for x in res]))
             print(json.dumps(rows[-1]), flush=True)
             if trace is not None:
                 from bench.memory_phases import format_rows
                 print(f"phases of the largest process, policy {policy}, {world} process(es):\n{format_rows(trace)}",
                       flush=True)
-    print("| policy | processes | peak RSS MiB | fixed MiB | RSS - fixed | state MiB | saved activations MiB |")
+    print("| policy | processes (mesh) | peak RSS MiB | fixed MiB | RSS - fixed | state MiB | saved activations MiB |")
     for r in rows:
-        print(f"| {r['policy']} | {r['world']} | {r['peak_rss_mib']:.0f} | {r['fixed_rss_mib']:.0f} | "
+        print(f"| {r['policy']} | {r['world']} ({r['mesh']}) | {r['peak_rss_mib']:.0f} | {r['fixed_rss_mib']:.0f} | "
               f"{r['peak_rss_mib'] - r['fixed_rss_mib']:.0f} | {r['state_mib']:.0f} | {r['saved_mib']:.0f} |")
     return 0
 
