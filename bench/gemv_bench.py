@@ -144,7 +144,7 @@ def bench_model(a):
               "int8": quantize(copy.deepcopy(fp32), "int8_weight_only")}
     ids = torch.randint(0, c.vocab_size, (1, a.context + a.steps + 2))
     caches = {}
-    with torch.no_grad():
+    with torch.inference_mode():   # as the engine decodes: no autograd work per op
         for n, m in models.items():
             caches[n] = m.new_cache(1, a.context + a.steps + 8)
             m.prefill(ids[:, :a.context], caches[n])

@@ -232,8 +232,9 @@ def bench_model(a) -> dict:
         def decode(m, cache):
             def run():
                 cache.truncate(a.context)
-                for s in range(a.decode_steps):
-                    m(ids[:, a.context + s:a.context + s + 1], cache)
+                with torch.inference_mode():   # as the engine decodes: no autograd work per op
+                    for s in range(a.decode_steps):
+                        m(ids[:, a.context + s:a.context + s + 1], cache)
             return run
 
         names = list(models)

@@ -133,7 +133,7 @@ class Engine:
         return bool(self.requests)
 
     # -- the step ------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Runs one forward over what the scheduler picks; returns the requests that got a token."""
         plan = self.scheduler.schedule()

@@ -33,7 +33,7 @@ class Sampler:
             self._generators[request.request_id] = g
         return g
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: list[Request]):
         """logits [N, V], row i for requests[i] -> (token_ids, logprobs, top_logprobs),
         three lists of N: the chosen id; its logprob (None where params.logprobs

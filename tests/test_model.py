@@ -315,6 +315,32 @@ def test_chunked_prefill_equals_one_call():
     assert torch.allclose(last, whole, rtol=0, atol=1e-5 * whole.abs().max().item())
 
 
+def test_inference_mode_and_no_grad_share_a_cache():
+    """prefill (like generate and the serving engine) runs under inference_mode;
+    a cache made outside it stays writable by a no_grad decode afterwards, and
+    both modes give the same tokens. A model built under inference_mode (its
+    weights without version counters) decodes too."""
+    config = _tiny()
+    model = _random_model(config)
+    ids = _ids(config, 1, 40)
+    cache = model.new_cache(1, 48)
+    last, hidden = model.prefill(ids[:, :30], cache)
+    assert last.is_inference() and hidden.is_inference()
+    with torch.no_grad():
+        steps = [model(ids[:, t:t + 1], cache) for t in range(30, 35)]
+    with torch.inference_mode():
+        steps += [model(ids[:, t:t + 1], cache) for t in range(35, 40)]
+        built_inside = _random_model(config)
+        assert built_inside.lm_head.weight.is_inference()
+        other = built_inside(ids, built_inside.new_cache(1, 40))
+    with torch.no_grad():
+        whole = model(ids)
+    fraction, worst = _agreement(torch.cat(steps, 1), whole[:, 30:])
+    assert fraction >= PARITY_FRACTION, worst
+    fraction, worst = _agreement(other, whole)
+    assert fraction >= PARITY_FRACTION, worst
+
+
 def test_cache_overflow_and_batch_mismatch_raise():
     model = _random_model(_tiny())
     cache = model.new_cache(1, 8)

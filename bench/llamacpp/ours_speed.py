@@ -58,11 +58,16 @@ def measure(ckpt: str, precision: str, task: str, n: int, steps: int, chunk: int
         raise ValueError(f"task must be prefill or decode, got {task!r}")
     if n < (1 if task == "prefill" else 0) or steps < (1 if task == "decode" else 0) or chunk < 1:
         raise ValueError(f"bad sizes: n={n}, steps={steps}, chunk={chunk}")
-    torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     model = load(ckpt, precision)
-    vocab = model.config.vocab_size
     _log(f"{precision} model ready in {time.perf_counter() - t0:.1f} s; warm-up")
+    # as the serving engine and prefill run: no autograd or version-counter work per op
+    with torch.inference_mode():
+        return _run(model, precision, task, n, steps, chunk)
+
+
+def _run(model, precision: str, task: str, n: int, steps: int, chunk: int) -> dict:
+    vocab = model.config.vocab_size
     cache = model.new_cache(1, WARMUP_TOKENS + 3)
     logits, _ = model.prefill(_tokens(WARMUP_TOKENS, vocab, seed=2), cache, chunk=chunk)
     _decode(model, cache, logits, 2)

@@ -76,7 +76,7 @@ def _check_sampling(temperature, top_k, top_p) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model, input_ids, max_new_tokens: int, *, do_sample: bool = False, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, eos_token_id=None, generator=None,
              prefill_chunk: int = 2048, page_size: int = 64):
@@ -126,7 +126,7 @@ class SpeculativeStats:
         return self.drafts_accepted / max(self.drafts_proposed, 1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative_generate(model, input_ids, max_new_tokens: int, *, prefill_chunk: int = 2048,
                          page_size: int = 64):
     """Greedy decoding with MTP drafting one token per step.

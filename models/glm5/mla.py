@@ -141,6 +141,8 @@ class MLAttention(nn.Module):
     def _derived_weight(self, name: str, build) -> torch.Tensor:
         """build()'s result, rebuilt only when kv_b_proj's weight changes (inference: no gradient flows through it)."""
         w = self.kv_b_proj.weight
+        if w.is_inference():   # made under inference_mode: no version counter to tell a change by
+            return build()
         version = (w.data_ptr(), w._version, w.dtype, w.device)
         cached = self._derived.get(name)
         if cached is None or cached[0] != version:

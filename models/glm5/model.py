@@ -383,7 +383,7 @@ class GLM5ForCausalLM(nn.Module):
         with nvtx_range("mtp"):
             return self.lm_head(self.model.mtp[depth].shared_head.norm(x))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, input_ids, cache, *, chunk: int = 2048):
         """Feeds input_ids through the cache `chunk` tokens at a time (memory
         O(chunk), the same result as one call); returns the last position's
