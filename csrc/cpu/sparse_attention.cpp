@@ -109,10 +109,11 @@ struct Scratch {
   void scores(const std::vector<float>& A, const float* const* rows, int64_t nt, int64_t D, float* out) const {
     scores(lay, A, rows, nt, D, out);
   }
+  // next[0..n_next): rows to prefetch while computing (dots_t_half spreads them over its passes).
   static void scores(const Layout& lay, const std::vector<float>& A, const float* const* rows, int64_t nt, int64_t D,
-                     float* out) {
+                     float* out, const float* const* next = nullptr, int64_t n_next = 0) {
     if (lay.half())
-      tiles::dots_t_half(A.data(), lay.Gp, rows, nt, D, out, lay.Gp);
+      tiles::dots_t_half(A.data(), lay.Gp, rows, nt, D, out, lay.Gp, next, n_next);
     else if (lay.by_key)
       tiles::dots_t(A.data(), lay.Gp, lay.Gp, rows, nt, D, out, lay.Gp);
     else
@@ -186,24 +187,29 @@ void sweep_chunks(const KeyBlocking& kb, const Scratch& sc, int64_t topk, int64_
 }
 
 // Points krows/vrows at keys[t0, t0 + nt) of a run of n. With `prefetch`,
-// asks for the run's next tile from L3: the one-chunk sweep. Chunked, most
-// rows are L2 hits (fetched by an earlier query of the block), and a prefetch
-// of each cost more than it hid (~4% slower).
-void set_tile(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* keys, int64_t t0, int64_t nt, int64_t n,
-              bool prefetch, Scratch& sc) {
+// asks for the run's next tile from L3 or DRAM: the one-chunk sweep. Chunked,
+// most rows are L2 hits (fetched by an earlier query of the block), and a
+// prefetch of each cost more than it hid (~4% slower). With `spread`, the
+// next tile's k rows are only listed in sc.next (returned: how many) for the
+// scores to prefetch as they compute (dots_t_half); else all asked for here.
+int64_t set_tile(const AttentionInputs& in, int64_t b, int64_t g, const int32_t* keys, int64_t t0, int64_t nt,
+                 int64_t n, bool prefetch, bool spread, Scratch& sc) {
   for (int64_t j = 0; j < nt; ++j) {
     sc.krows[j] = in.krow(b, keys[t0 + j], g);
     sc.vrows[j] = in.vrow(b, keys[t0 + j], g);
   }
-  if (!prefetch) return;
+  if (!prefetch) return 0;
   const int32_t* next = keys + t0 + nt;
   const int64_t n1 = std::min(kTile, n - t0 - nt);
   for (int64_t j = 0; j < n1; ++j) sc.next[j] = in.krow(b, next[j], g);
+  const bool v_in_k = in.vp == in.kp && in.vst == in.kst && in.vsh == in.ksh;
+  if (spread && v_in_k) return n1;
   tiles::prefetch_rows(sc.next.data(), n1, in.Dk);
-  if (in.vp != in.kp || in.vst != in.kst || in.vsh != in.ksh) {  // v not a view of k's rows
+  if (!v_in_k) {
     for (int64_t j = 0; j < n1; ++j) sc.next[j] = in.vrow(b, next[j], g);
     tiles::prefetch_rows(sc.next.data(), n1, in.Dv);
   }
+  return 0;
 }
 
 // One tile of the online softmax for one query's heads: p written over sc.s,
@@ -445,8 +451,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_attention_fwd_cpu(const at::Tensor& q,
         Scratch::load_rows(L, in.qrow(b, s0 + i, g * G + h0), Dk, sc_f, sc.qs);
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
           const int64_t nt = std::min(kTile, n - t0);
-          set_tile(in, b, g, keys, t0, nt, n, C == 1, sc);
-          Scratch::scores(L, sc.qs, sc.krows.data(), nt, Dk, sc.s.data());
+          const int64_t n_next = set_tile(in, b, g, keys, t0, nt, n, C == 1, L.half(), sc);
+          Scratch::scores(L, sc.qs, sc.krows.data(), nt, Dk, sc.s.data(), sc.next.data(), n_next);
           attend_tile(sc, L, nt, Dv, o, m, l);
         }
       });
@@ -517,7 +523,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sparse_attention_bwd_cpu(
         sc.load_rows(dog, Dv, 1.f, sc.dot);
         for (int64_t t0 = 0; t0 < n; t0 += kTile) {
           const int64_t nt = std::min(kTile, n - t0);
-          set_tile(in, b, g, keys, t0, nt, n, C == 1, sc);
+          set_tile(in, b, g, keys, t0, nt, n, C == 1, false, sc);
           for (int64_t j = 0; j < nt; ++j) {
             const int64_t r = (b * in.T + keys[t0 + j]) * in.Hkv + g;
             sc.dkrows[j] = sc.dk + r * Dk;
