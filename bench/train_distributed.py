@@ -101,11 +101,15 @@ def _batch(kw, seed):
     return rows[:, :-1], rows[:, 1:]
 
 
+def _dims(world: int, ep: int):
+    """The mesh of `world` processes: ep of them split the routed experts, the rest dp_shard (one process: none)."""
+    from training.parallelize import ParallelDims
+    return ParallelDims(dp_shard=world // ep, ep=ep) if world > 1 else ParallelDims()
+
+
 def _trainer(world, kw):
     from training.distributed_train import Trainer
-    from training.parallelize import ParallelDims
-    ep = kw.get("ep", 1) if world > 1 else 1
-    dims = ParallelDims(dp_shard=world // ep, ep=ep)
+    dims = _dims(world, kw.get("ep", 1))
     mesh = dims.build_mesh("cpu") if world > 1 else None
     return Trainer(_config(kw["layers"]), dims, mesh, micro_batches=kw["K"], lr=1e-4,
                    memory_policy=kw.get("policy", "none"))
@@ -287,8 +291,9 @@ def main(argv=None) -> int:
                          policy=policy, threads=1, trace=args.trace, ep=args.ep)
             r = max(res, key=lambda r: r["peak_rss_mib"])
             trace = r.pop("trace", None)
-            ep = args.ep if world > 1 else 1
-            mesh = f"dp_shard={world // ep}" + (f" x ep={ep}" if ep > 1 else "") if world > 1 else "one process"
+            dims = _dims(world, args.ep)
+            mesh = f"dp_shard={dims.dp_shard}" + (f" x ep={dims.ep}" if dims.ep > 1 else "")
+            mesh = "one process" if world == 1 else mesh
             rows.append(dict(policy=policy, world=world, mesh=mesh, **r,
                              peak_by_rank=[round(x["peak_rss_mib"]) for x in res]))
             print(json.dumps(rows[-1]), flush=True)
