@@ -84,6 +84,12 @@ TORCH_LIBRARY(glm5, m) {
   // which kernel serves int8 decode rows of K elements here: "vnni_digits" (int8 digits of the
   // activations, vpdpbusd), "avx512_fp32" or "portable_fp32" (int8 weights widened to fp32)
   m.def("int8_decode_kernel(int K) -> str");
+
+  // --- The paged cache ---
+  // pool[P,D] (mutated), slots int64[N] in [0, P), values[N,D] (pool's dtype): pool[slots[i]] = values[i].
+  // An op of its own so torch.compile writes the cache in place (an index_copy_ into a view of the
+  // pool made it copy the whole pool every step: models/glm5/cache.py)
+  m.def("cache_write(Tensor(a!) pool, Tensor slots, Tensor values) -> ()");
 }
 
 // The Python module glm5_ops._C: importing it runs the registrations above

@@ -17,6 +17,7 @@ from . import linear as linear_module
 from .linear import gemv, gemv_heads, linear, linear_heads, takes_gemv as linear_takes_gemv
 from .moe import fused_moe, moe_combine, moe_dispatch, moe_route
 from .moe_plan import MoEPlan
+from .paged import cache_write
 from .recall import AttentionRecall, attention_recall
 from .token_ops import rms_norm, rope
 
@@ -27,4 +28,4 @@ __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "moe_route", "moe_dispatch", "moe_combine", "fused_moe", "MoEPlan",
            "quantize_groupwise", "dequantize", "compressed_activations", "SavedTensorMeter",
            "quantize_int8", "int8_linear", "w8a8_linear", "fused_moe_int8",
-           "gemv", "gemv_heads", "linear", "linear_heads", "linear_takes_gemv", "rms_norm", "rope"]
+           "gemv", "gemv_heads", "linear", "linear_heads", "linear_takes_gemv", "rms_norm", "rope", "cache_write"]

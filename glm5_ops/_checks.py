@@ -47,6 +47,13 @@ def same_device(**tensors) -> torch.device:
     return device
 
 
+def host_value_check(t: torch.Tensor) -> bool:
+    """Whether a check of t's values (min/max read back to the host) runs: not
+    for empty or meta tensors, nor while torch.compile traces, where the .item()
+    would split the graph; the C++ kernels check the same values themselves."""
+    return t.numel() > 0 and t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
 def int_in_range(value, name: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

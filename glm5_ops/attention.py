@@ -117,7 +117,7 @@ def _check_indices(indices, B: int, S: int, T: int, device, name: str = "indices
         raise ValueError(f"{name} must have shape [B,S,topk]=[{B},{S},topk], got shape {tuple(indices.shape)}")
     if indices.device != device:
         raise ValueError(f"{name} must be on {device} like q, got {indices.device}")
-    if indices.numel() and indices.device.type != "meta":
+    if check.host_value_check(indices):
         lo, hi = int(indices.min()), int(indices.max())
         if lo < -1 or hi >= T:
             raise ValueError(f"{name} must hold -1 or key positions in [0, T={T}), got values in [{lo}, {hi}]")

@@ -67,7 +67,7 @@ def _int(value, name: str, lo: int, hi: int = _INT32_MAX) -> int:
 
 
 def _ids_in_range(ids: torch.Tensor, hi: int, name: str, what: str) -> None:
-    if ids.numel() == 0 or ids.device.type == "meta":
+    if not check.host_value_check(ids):
         return
     lo_v, hi_v = int(ids.min()), int(ids.max())
     if lo_v < 0 or hi_v >= hi:

@@ -713,6 +713,11 @@ def gemv(x, w, bias=None):
     return y.to(x.dtype)
 
 
+def cache_write(pool, slots, values):
+    """The pool after the paged cache's store: row slots[i] replaced by values[i] (out of place)."""
+    return pool.index_copy(0, slots, values)
+
+
 def rms_norm(x, weight, eps: float):
     """RMSNorm over the last dim in transformers' order: normalise in fp32,
     round to x's dtype, then multiply by weight [D] (the model's composite;

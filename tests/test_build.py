@@ -14,6 +14,8 @@ OPS = ["indexer_scores", "topk_indices", "indexer_topk", "sparse_attention_fwd",
        "quantize_groupwise", "dequantize"]
 # Decode-time kernels with no CUDA counterpart (glm5_ops runs torch there: docs/OPS.md).
 CPU_ONLY_OPS = ["gemv", "rms_norm", "rope"]
+# One implementation for every device (data movement: index_copy_ behind a mutating schema).
+COMPOSITE_OPS = ["cache_write"]
 
 
 def _nvcc_present():
@@ -23,6 +25,11 @@ def _nvcc_present():
 @pytest.mark.parametrize("op", OPS + CPU_ONLY_OPS)
 def test_cpu_kernels_registered(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"glm5::{op}", "CPU")
+
+
+@pytest.mark.parametrize("op", COMPOSITE_OPS)
+def test_composite_ops_registered(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"glm5::{op}", "CompositeExplicitAutograd")
 
 
 @pytest.mark.skipif(torch.version.cuda is None or not _nvcc_present() or os.environ.get("GLM5_BUILD_CUDA") == "0",

@@ -95,6 +95,12 @@ def test_speed_table_pairs_each_measurement_and_the_newest_wins():
     assert len(lines) == 4
 
 
+def test_speed_table_marks_compiled_decode_rows():
+    from llamacpp_report import speed_table
+    rows = [{**_row("ours", "fp32", "decode", 0, 60.0), "compiled": True}, _row("llama.cpp", "fp32", "decode", 0, 40.0)]
+    assert speed_table(rows).splitlines()[2].startswith("| decode at depth 0 | 60.0 (compiled) | 40.0 | **1.50x** |")
+
+
 def test_results_block_is_replaced_between_its_markers():
     from llamacpp_report import BEGIN, END, replace_block
     text = f"intro\n{BEGIN}\nold table\n{END}\nafter\n"

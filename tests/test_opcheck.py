@@ -138,6 +138,9 @@ CASES = {
     "rope": lambda: [(fresh(2, 3, 4, 24)[..., 8:], fresh(2, 3, 8), fresh(2, 3, 8), 16),   # strided heads, tail copied
                      (fresh(2, 5, 12, dtype=torch.bfloat16), fresh(2, 5, 6, dtype=torch.bfloat16),
                       fresh(2, 5, 6, dtype=torch.bfloat16), 12)],
+    "cache_write": lambda: [(fresh(9, 24), torch.tensor([4, 0, 7], device=DEVICE), fresh(3, 24)),
+                            (fresh(11, 5, dtype=torch.bfloat16), torch.tensor([10], device=DEVICE),
+                             fresh(1, 5, dtype=torch.bfloat16))],
     "dequantize": lambda: [(*torch.ops.glm5.quantize_groupwise(fresh(6, 256), 4, 64, False, 0), 4, 64, [6, 256],
                             dtype) for dtype in (torch.float32, torch.bfloat16)],
 }

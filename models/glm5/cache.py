@@ -101,9 +101,10 @@ class CacheView:
         """Stores this step's tokens of `layer`; returns (latent keys [B,T,C+r]
         in logical order if gather_keys else None, indexer keys [B,T,Di] or None)."""
         latent = self.pool.latent[layer]
-        latent.index_copy_(0, self.new, kv.reshape(-1, kv.shape[-1]).to(latent.dtype))
+        glm5_ops.cache_write(latent, self.new, kv.reshape(-1, kv.shape[-1]).to(latent.dtype))
         if index_key is not None:
-            self.pool.index_k[layer].index_copy_(0, self.new, index_key.reshape(-1, index_key.shape[-1]).to(latent.dtype))
+            glm5_ops.cache_write(self.pool.index_k[layer], self.new,
+                                 index_key.reshape(-1, index_key.shape[-1]).to(latent.dtype))
         T = self.every.shape[1]
         if self._identity:
             keys = latent[None, :T] if gather_keys else None

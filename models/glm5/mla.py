@@ -141,6 +141,11 @@ class MLAttention(nn.Module):
     def _derived_weight(self, name: str, build) -> torch.Tensor:
         """build()'s result, rebuilt only when kv_b_proj's weight changes (inference: no gradient flows through it)."""
         w = self.kv_b_proj.weight
+        if torch.compiler.is_compiling():
+            # A traced version check would split the graph: a compiled step takes what
+            # build_derived_weights() stored (GLM5ForCausalLM.compile_decode calls it).
+            cached = self._derived.get(name)
+            return cached[1] if cached is not None else build()
         if w.is_inference():   # made under inference_mode: no version counter to tell a change by
             return build()
         version = (w.data_ptr(), w._version, w.dtype, w.device)
@@ -149,6 +154,14 @@ class MLAttention(nn.Module):
             with torch.no_grad():
                 cached = self._derived[name] = (version, build())
         return cached[1]
+
+    def build_derived_weights(self) -> None:
+        """Builds and stores every derived weight now, from the current kv_b_proj (what a compiled step reads)."""
+        self._derived.clear()
+        with torch.no_grad():
+            for derive in (self.lifted_w_uk, self.w_uk_rows):
+                built = derive()   # stored by _derived_weight, unless the weight is an inference tensor
+                self._derived.setdefault(derive.__name__, (None, built))
 
     def lifted_w_uk(self) -> torch.Tensor:
         """[[W_UK, 0], [0, I]] [H, nope+rope, C+rope] (absorbed_queries' one product with many queries)."""

@@ -219,6 +219,7 @@ class GLM5ForCausalLM(nn.Module):
         self.record = False                      # profiling: keep last_selection / last_routing
         self.last_selection: dict = {}
         self.last_routing: dict = {}
+        self._decode_layers = None               # compile_decode()'s compiled _layers
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
@@ -300,7 +301,8 @@ class GLM5ForCausalLM(nn.Module):
         B, S = input_ids.shape
         view = None if cache is None else cache.begin(B, S)
         positions = (start + torch.arange(S, device=input_ids.device))[None].expand(B, S)
-        x = self._layers(input_ids, positions, [Segment(B, S, start, view)])
+        layers = self._decode_layers if self._decode_layers is not None and S == 1 and view is not None else self._layers
+        x = layers(input_ids, positions, [Segment(B, S, start, view)])
         if cache is not None:
             cache.commit(S)
         return x
@@ -318,6 +320,20 @@ class GLM5ForCausalLM(nn.Module):
             raise ValueError(f"segments must cover the {input_ids.shape[1]} packed tokens, got "
                              f"{sum(seg.B * seg.S for seg in segments)}")
         return self._layers(input_ids, positions, segments)
+
+    def compile_decode(self, **options) -> "GLM5ForCausalLM":
+        """From now on a decode step (one new token per sequence, through a cache)
+        runs the layers through torch.compile(**options): one graph of the whole
+        stack, the Python around each op gone (bench/RESULTS.md, "Decode compiled").
+        The first steps compile (about a minute for `small` on 2 cores; once more when
+        the context length first changes, which makes it dynamic, and when it passes
+        index_topk). MLA's weights derived from kv_b_proj are built now: after
+        changing the weights, call compile_decode() again. Prefill, MTP and the
+        serving engine's packed steps stay eager. Returns the model."""
+        for layer in list(self.model.layers) + [mtp.layer for mtp in self.model.mtp]:
+            layer.self_attn.build_derived_weights()
+        self._decode_layers = torch.compile(self._layers, **options)
+        return self
 
     def _layers(self, input_ids, positions, segments):
         with nvtx_range("embed"):

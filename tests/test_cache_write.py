@@ -1,0 +1,55 @@
+"""glm5_ops.cache_write (glm5::cache_write): the paged cache's store, in place,
+against reference.cache_write on fresh random rows, every backend and dtype;
+its argument errors; and the compiled decode step it exists for
+(GLM5ForCausalLM.compile_decode), which must give the eager step's tokens."""
+import pytest
+import torch
+
+import glm5_ops
+from conftest import DEVICE, fresh
+from glm5_ops import reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("P,D,N", [(1, 1, 1), (37, 13, 5), (300, 576, 64)])
+def test_matches_reference(backend, dtype, P, D, N):
+    pool = fresh(P, D, dtype=dtype)
+    pool[P // 2] = float("nan")                   # a row not written must come back as it was, NaN included
+    slots = torch.randperm(P, device=DEVICE)[:N]
+    values = fresh(N, D, dtype=dtype)
+    expect = reference.cache_write(pool, slots, values)
+    ptr = pool.data_ptr()
+    assert glm5_ops.cache_write(pool, slots, values) is None
+    assert pool.data_ptr() == ptr                 # written in place
+    torch.testing.assert_close(pool, expect, rtol=0, atol=0, equal_nan=True)   # a copy: exact for every dtype
+
+
+def test_strided_values_and_empty_slots(backend):
+    pool = fresh(20, 8)
+    wide = fresh(3, 16)
+    glm5_ops.cache_write(pool, torch.tensor([19, 0, 5], device=DEVICE), wide[:, ::2])
+    torch.testing.assert_close(pool[[19, 0, 5]], wide[:, ::2], rtol=0, atol=0)
+    before = pool.clone()
+    glm5_ops.cache_write(pool, torch.empty(0, dtype=torch.long, device=DEVICE), fresh(0, 8))
+    torch.testing.assert_close(pool, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("args,error,words", [
+    (lambda: (fresh(4, 3, 2), torch.tensor([0]), fresh(1, 2)), ValueError, "pool must have shape [P,D]"),
+    (lambda: (fresh(4, 3), torch.tensor([[0]]), fresh(1, 3)), ValueError, "slots must have shape [N]"),
+    (lambda: (fresh(4, 3), torch.tensor([0], dtype=torch.int32), fresh(1, 3)), TypeError, "slots must be int64"),
+    (lambda: (fresh(4, 3), torch.tensor([0, 1]), fresh(1, 3)), ValueError, "values must have shape [N,D]=[2,3]"),
+    (lambda: (fresh(4, 3), torch.tensor([0]), fresh(1, 3, dtype=torch.float64)), TypeError,
+     "values must have pool's dtype"),
+    (lambda: (fresh(4, 3), torch.tensor([1, 4]), fresh(2, 3)), ValueError, "slots must hold rows of pool in [0, P=4), got 4"),
+    (lambda: (fresh(4, 3), torch.tensor([-1]), fresh(1, 3)), ValueError, "got -1 at [0]"),
+])
+def test_bad_input_names_the_argument(args, error, words):
+    if DEVICE.type != "cpu" and ("rows of pool" in words or "got -1" in words):
+        pytest.skip("slot ranges are checked on the host for CPU tensors only")
+    pool, slots, values = args()
+    before = pool.clone()
+    with pytest.raises(error) as e:
+        glm5_ops.cache_write(pool, slots.to(DEVICE), values)
+    assert words in str(e.value)
+    torch.testing.assert_close(pool, before, rtol=0, atol=0, equal_nan=True)   # nothing written

@@ -1,0 +1,66 @@
+"""GLM5ForCausalLM.compile_decode: decode steps through torch.compile'd layers
+give the eager steps' tokens, logits and cache, as one graph (no graph break)
+that stays compiled as the context grows (dynamic, not one compile per length),
+across index_topk (every key -> the indexer's selection)."""
+import pytest
+import torch
+import torch._dynamo
+
+from models.glm5 import GLM5ForCausalLM
+from models.glm5.config import preset
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not torch._C._has_mkldnn,
+                                reason="no inductor backend")
+
+
+def _decode(model, prompt, steps):
+    cache = model.new_cache(1, prompt.shape[1] + steps)
+    with torch.inference_mode():
+        logits, _ = model.prefill(prompt, cache)
+        tokens, all_logits = [], [logits]
+        nxt = logits.argmax(-1).view(1, 1)
+        for _ in range(steps):
+            logits = model(nxt, cache)[:, -1]
+            all_logits.append(logits)
+            nxt = logits.argmax(-1).view(1, 1)
+            tokens.append(int(nxt))
+    return tokens, torch.stack(all_logits), cache
+
+
+def test_compiled_decode_matches_eager():
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(preset("tiny")).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, model.config.index_topk - 4))
+    steps = 12                                     # crosses index_topk at step 4
+    tokens, logits, cache = _decode(model, prompt, steps)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.compile_decode()
+    c_tokens, c_logits, c_cache = _decode(model, prompt, steps)
+
+    assert c_tokens == tokens
+    # inductor fuses the small ops around the kernels (residual adds, the indexer's LayerNorm,
+    # the rope tables): a few fp32 ulps of the logits
+    torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-5)
+    written = cache.slots(cache.length)[0]         # the slots past them hold torch.empty's leftovers
+    assert torch.equal(c_cache.slots(c_cache.length)[0], written)
+    layers = model.config.num_hidden_layers       # the MTP layer's slots: not run here
+    torch.testing.assert_close(c_cache.pool.latent[:layers, written], cache.pool.latent[:layers, written],
+                               rtol=1e-5, atol=1e-5)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    # the first length, the length made dynamic, and the indexer's branch past index_topk
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+
+
+def test_compile_decode_rebuilds_derived_weights():
+    """compile_decode() takes kv_b_proj as it is now; a weight changed later needs compile_decode() again."""
+    torch.manual_seed(1)
+    model = GLM5ForCausalLM(preset("tiny")).eval()
+    attn = model.model.layers[0].self_attn
+    model.compile_decode()
+    before = attn._derived["w_uk_rows"][1].clone()
+    with torch.no_grad():
+        attn.kv_b_proj.weight.mul_(2)
+    model.compile_decode()
+    torch.testing.assert_close(attn._derived["w_uk_rows"][1], before * 2)
