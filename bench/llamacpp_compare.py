@@ -130,7 +130,8 @@ def run_speed(lc, args) -> dict:
     models = _speed_models(lc, args)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     rows = measure_speed(lc, models, precisions=args.precision, prefill=args.prefill, depths=args.depths,
-                         threads=args.threads, steps=args.decode_steps, chunk=args.chunk, engines=args.engine)
+                         threads=args.threads, steps=args.decode_steps, chunk=args.chunk, engines=args.engine,
+                         compile=args.compile)
     record = {"started": started, "command": " ".join(["python", "bench/llamacpp_compare.py", *sys.argv[1:]]),
               "preset": args.preset, "threads": args.threads, "torch": torch.__version__,
               "cpu": _cpu_name(), "rows": rows}
@@ -187,6 +188,8 @@ def main(argv=None) -> int:
                          "one engine alone fills a quiet run")
     ap.add_argument("--decode-steps", type=int, default=128, help="speed: tokens per decode run (tg128)")
     ap.add_argument("--chunk", type=int, default=2048, help="our prefill chunk")
+    ap.add_argument("--compile", action="store_true",
+                    help="speed: our decode steps through model.compile_decode() (torch.compile; prefill stays eager)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flash-attn", type=int, default=0, choices=(-1, 0, 1), help="llama.cpp logits (agreement)")
     ap.add_argument("--llamacpp-home", help="work folder for llama.cpp's source and build (default: "

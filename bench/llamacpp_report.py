@@ -55,7 +55,8 @@ def speed_table(rows: list[dict]) -> str:
         cells, dates = [], set()
         for p, _ in PAIRS:
             o, l = best.get(("ours", p, task, n)), best.get(("llama.cpp", p, task, n))
-            cells += [f"{o['tok_s']:.1f}" if o else "-", f"{l['tok_s']:.1f}" if l else "-",
+            mark = " (compiled)" if o and o.get("compiled") else ""   # model.compile_decode(): --compile
+            cells += [f"{o['tok_s']:.1f}{mark}" if o else "-", f"{l['tok_s']:.1f}" if l else "-",
                       f"**{o['tok_s'] / l['tok_s']:.2f}x**" if o and l else "-"]
             dates |= {r["started"][:16] for r in (o, l) if r and "started" in r}
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(sorted(dates))} |")

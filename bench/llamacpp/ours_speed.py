@@ -1,6 +1,6 @@
 """Child process: our GLM-5 on one prefill or decode measurement, as llama-bench does it.
 
-    python bench/llamacpp/ours_speed.py CKPT fp32|int8 prefill|decode N STEPS CHUNK
+    python bench/llamacpp/ours_speed.py CKPT fp32|int8 prefill|decode N STEPS CHUNK [compile]
 
 prefill N: tokens/s of `prefill` over N tokens into an empty paged cache.
 decode N: fill the cache with N tokens (untimed, like llama-bench's depth run; N = 0
@@ -10,6 +10,10 @@ steps on a throwaway cache) so that one-time costs (thread pool, first allocatio
 are not charged to the measurement, as llama-bench's warm-up run does.
 int8: CKPT is the int8 checkpoint `speed.prepared_models` saved (models.glm5.quantize,
 "int8_weight_only", the lab's default skip list: lm_head and the embedding stay fp32).
+compile: decode steps through `model.compile_decode()` (torch.compile'd layers); the
+compile happens in COMPILE_WARMUP untimed steps on the measured cache itself, at the
+measured depth (a cache of another length or at the other side of index_topk would
+leave a recompile inside the timed steps).
 Prints one JSON line last.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 PRECISIONS = ("fp32", "int8")
 WARMUP_TOKENS = 64
+COMPILE_WARMUP = 3      # steps: the first compiles, the second makes the length dynamic, the third checks
 
 
 def _log(msg: str) -> None:
@@ -53,7 +58,7 @@ def _decode(model, cache, logits, steps: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(ckpt: str, precision: str, task: str, n: int, steps: int, chunk: int) -> dict:
+def measure(ckpt: str, precision: str, task: str, n: int, steps: int, chunk: int, compile: bool = False) -> dict:
     if task not in ("prefill", "decode"):
         raise ValueError(f"task must be prefill or decode, got {task!r}")
     if n < (1 if task == "prefill" else 0) or steps < (1 if task == "decode" else 0) or chunk < 1:
@@ -63,30 +68,42 @@ def measure(ckpt: str, precision: str, task: str, n: int, steps: int, chunk: int
     _log(f"{precision} model ready in {time.perf_counter() - t0:.1f} s; warm-up")
     # as the serving engine and prefill run: no autograd or version-counter work per op
     with torch.inference_mode():
-        return _run(model, precision, task, n, steps, chunk)
+        return _run(model, precision, task, n, steps, chunk, compile)
 
 
-def _run(model, precision: str, task: str, n: int, steps: int, chunk: int) -> dict:
+def _run(model, precision: str, task: str, n: int, steps: int, chunk: int, compile: bool) -> dict:
     vocab = model.config.vocab_size
     cache = model.new_cache(1, WARMUP_TOKENS + 3)
     logits, _ = model.prefill(_tokens(WARMUP_TOKENS, vocab, seed=2), cache, chunk=chunk)
     _decode(model, cache, logits, 2)
     del cache
     fill = max(n, 1)
-    cache = model.new_cache(1, fill + steps + 1)
+    warm = COMPILE_WARMUP if compile and task == "decode" else 0
+    cache = model.new_cache(1, fill + warm + steps + 1)
     _log(f"{task}: prefill {fill} tokens" + (" (the depth, untimed)" if task == "decode" else ""))
     t0 = time.perf_counter()
     logits, _ = model.prefill(_tokens(fill, vocab), cache, chunk=chunk)
     prefill_s = time.perf_counter() - t0
-    result = {"engine": "ours", "precision": precision, "task": task, "n": n, "prefill_s": prefill_s}
+    result = {"engine": "ours", "precision": precision, "task": task, "n": n, "prefill_s": prefill_s,
+              "compiled": bool(warm)}
     if task == "prefill":
         result["tok_s"] = n / prefill_s
     else:
-        _log(f"decode: {steps} steps at depth {fill} (prefill took {prefill_s:.1f} s)")
+        if warm:
+            model.compile_decode()
+            t0 = time.perf_counter()
+            nxt = logits.argmax(-1).view(1, 1)
+            for _ in range(warm):
+                logits = model(nxt, cache)[:, -1]
+                nxt = logits.argmax(-1).view(1, 1)
+            _log(f"decode compiled in {warm} untimed steps, {time.perf_counter() - t0:.1f} s")
+        _log(f"decode: {steps} steps at depth {fill + warm} (prefill took {prefill_s:.1f} s)")
         result.update(steps=steps, depth_filled=fill, tok_s=steps / _decode(model, cache, logits, steps))
     return result
 
 
 if __name__ == "__main__":
     ckpt, precision, task, n, steps, chunk = sys.argv[1:7]
-    print(json.dumps(measure(ckpt, precision, task, int(n), int(steps), int(chunk))))
+    if sys.argv[7:] not in ([], ["compile"]):
+        sys.exit(f"the optional 7th argument must be 'compile', got {sys.argv[7:]}")
+    print(json.dumps(measure(ckpt, precision, task, int(n), int(steps), int(chunk), compile=sys.argv[7:] == ["compile"])))

@@ -93,8 +93,10 @@ def run_llama_bench(lc: LlamaCpp, cmd: list[str]) -> dict:
     return records[0]
 
 
-def run_ours(ckpt: str, precision: str, task: str, n: int, steps: int, chunk: int, threads: int) -> dict:
-    cmd = [sys.executable, CHILD, ckpt, precision, task, str(n), str(steps), str(chunk)]
+def run_ours(ckpt: str, precision: str, task: str, n: int, steps: int, chunk: int, threads: int,
+             compile: bool = False) -> dict:
+    cmd = [sys.executable, CHILD, ckpt, precision, task, str(n), str(steps), str(chunk)] + \
+        (["compile"] if compile and task == "decode" else [])
     print(f"[speed] ours {precision} {task} {n}: OMP_NUM_THREADS={threads} {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": str(threads)})
@@ -107,10 +109,11 @@ ENGINES = ("llama.cpp", "ours")
 
 
 def run_speed(lc: LlamaCpp, models: dict, *, precisions, prefill, depths, threads: int, steps: int,
-              chunk: int, engines=ENGINES) -> list[dict]:
+              chunk: int, engines=ENGINES, compile: bool = False) -> list[dict]:
     """Rows {engine, precision, task, n, tok_s, ...}: for each (precision, task, n),
     llama.cpp then ours, back to back. engines: both (the default), or one, for sizes where
-    one engine alone fills a quiet run (llama.cpp at 16,384 tokens: about 8 minutes)."""
+    one engine alone fills a quiet run (llama.cpp at 16,384 tokens: about 8 minutes).
+    compile: our decode steps through model.compile_decode() (prefill stays eager)."""
     if not engines or any(e not in ENGINES for e in engines):
         raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {engines!r}")
     rows, t_start = [], time.time()
@@ -130,7 +133,7 @@ def run_speed(lc: LlamaCpp, models: dict, *, precisions, prefill, depths, thread
             print(f"[speed]   llama.cpp {LLAMA_LABEL[precision]}: {rows[-1]['tok_s']:.2f} tok/s", flush=True)
         if "ours" in engines:
             r = run_ours(models["ckpt_int8" if precision == "int8" else "ckpt"], precision, task, n, steps, chunk,
-                         threads)
+                         threads, compile)
             rows.append({**r, "chunk": chunk})
             print(f"[speed]   ours {precision}: {r['tok_s']:.2f} tok/s", flush=True)
     return rows
