@@ -13,7 +13,10 @@ kernel streams the weights (bench/RESULTS.md, "Decode linear layers").
    routing each call, cycled past twice the L3.
 5. Model: decode tokens/s of the preset at --context tokens, batch 1, fp32 / bf16 /
    int8_weight_only, with the linear layers on F.linear ("before": plan's
-   GEMV_MAX_ROWS emptied) and on gemv ("after"), all in this one run.
+   GEMV_MAX_ROWS emptied) and on gemv ("after"), all in this one run. With
+   --compile, each model's eager gemv steps against its compile_decode() steps
+   (F.linear left out: the plan's rows are read while tracing, so toggling them
+   would recompile).
 """
 from __future__ import annotations
 
@@ -149,16 +152,21 @@ def bench_model(a):
             caches[n] = m.new_cache(1, a.context + a.steps + 8)
             m.prefill(ids[:, :a.context], caches[n])
         rows = dict(plan.GEMV_MAX_ROWS)
+        compiled = {n: m.compile_decode()._decode_layers for n, m in models.items()} if a.compile else {}
 
-        def decode(n, on):
+        def decode(n, on, compile=False):
             def run():
                 plan.GEMV_MAX_ROWS.clear()
                 plan.GEMV_MAX_ROWS.update(rows if on else {})
+                models[n]._decode_layers = compiled[n] if compile else None
                 caches[n].truncate(a.context)
                 for s in range(a.steps):
                     models[n](ids[:, a.context + s:a.context + s + 1], caches[n])
             return run
-        fns = {f"{n} {'gemv' if on else 'F.linear'}": decode(n, on) for n in models for on in (False, True)}
+        if a.compile:   # the first call of each compiled variant compiles (untimed: each round runs f twice)
+            fns = {f"{n} {'compiled' if c else 'gemv'}": decode(n, True, c) for n in models for c in (False, True)}
+        else:
+            fns = {f"{n} {'gemv' if on else 'F.linear'}": decode(n, on) for n in models for on in (False, True)}
         per = {k: [] for k in fns}
         for _ in range(a.rounds):
             for k, f in fns.items():
@@ -171,6 +179,11 @@ def bench_model(a):
     print(f"\ndecode tok/s, {a.preset}, batch 1, {a.context}-token context, {a.steps} steps x {a.rounds} rounds:")
     for k, v in tok.items():
         print(f"  {k}: {v:.2f}")
+    if a.compile:
+        print("  " + "; ".join(f"{n} compiled / eager {tok[f'{n} compiled'] / tok[f'{n} gemv']:.2f}x" for n in models))
+        print(f"  compiled: int8 / fp32 {tok['int8 compiled'] / tok['fp32 compiled']:.2f}x; int8 / bf16 "
+              f"{tok['int8 compiled'] / tok['bf16 compiled']:.2f}x")
+        return
     f = tok["fp32 gemv"]
     print(f"  fp32 gemv / F.linear {f / tok['fp32 F.linear']:.2f}x; bf16 {tok['bf16 gemv'] / tok['bf16 F.linear']:.2f}x; "
           f"int8 / fp32 (both gemv) {tok['int8 gemv'] / f:.2f}x; int8 / bf16 {tok['int8 gemv'] / tok['bf16 gemv']:.2f}x")
@@ -184,6 +197,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--compile", action="store_true", help="model: eager against compile_decode() (see 5.)")
     p.add_argument("--skip-ops", action="store_true")
     p.add_argument("--only", choices=("ops", "rows", "moe", "model"), action="append",
                    help="run only these parts (repeatable; default: all but what --skip-* leaves out)")

@@ -8,6 +8,7 @@ import torch
 import glm5_ops
 from conftest import DEVICE, fresh
 from glm5_ops import reference
+from glm5_ops._backend import BACKENDS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -34,22 +35,38 @@ def test_strided_values_and_empty_slots(backend):
     torch.testing.assert_close(pool, before, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("args,error,words", [
-    (lambda: (fresh(4, 3, 2), torch.tensor([0]), fresh(1, 2)), ValueError, "pool must have shape [P,D]"),
-    (lambda: (fresh(4, 3), torch.tensor([[0]]), fresh(1, 3)), ValueError, "slots must have shape [N]"),
-    (lambda: (fresh(4, 3), torch.tensor([0], dtype=torch.int32), fresh(1, 3)), TypeError, "slots must be int64"),
-    (lambda: (fresh(4, 3), torch.tensor([0, 1]), fresh(1, 3)), ValueError, "values must have shape [N,D]=[2,3]"),
-    (lambda: (fresh(4, 3), torch.tensor([0]), fresh(1, 3, dtype=torch.float64)), TypeError,
+BAD = [
+    (lambda: (fresh(4, 3, 2), torch.tensor([0]), fresh(1, 2)), ValueError, "pool", "pool must have shape [P,D]"),
+    (lambda: (fresh(4, 3), torch.tensor([[0]]), fresh(1, 3)), ValueError, "slots", "slots must have shape [N]"),
+    (lambda: (fresh(4, 3), torch.tensor([0], dtype=torch.int32), fresh(1, 3)), TypeError, "slots",
+     "slots must be int64"),
+    (lambda: (fresh(4, 3), torch.tensor([0, 1]), fresh(1, 3)), ValueError, "values",
+     "values must have shape [N,D]=[2,3]"),
+    (lambda: (fresh(4, 3), torch.tensor([0]), fresh(1, 3, dtype=torch.float64)), TypeError, "values",
      "values must have pool's dtype"),
-    (lambda: (fresh(4, 3), torch.tensor([1, 4]), fresh(2, 3)), ValueError, "slots must hold rows of pool in [0, P=4), got 4"),
-    (lambda: (fresh(4, 3), torch.tensor([-1]), fresh(1, 3)), ValueError, "got -1 at [0]"),
-])
-def test_bad_input_names_the_argument(args, error, words):
-    if DEVICE.type != "cpu" and ("rows of pool" in words or "got -1" in words):
+    (lambda: (fresh(4, 3), torch.tensor([1, 4]), fresh(2, 3)), ValueError, "slots",
+     "slots must hold rows of pool in [0, P=4), got 4"),
+    (lambda: (fresh(4, 3), torch.tensor([-1]), fresh(1, 3)), ValueError, "slots", "got -1 at [0]"),
+    (lambda: (fresh(1, 3).expand(4, 3), torch.tensor([0]), fresh(1, 3)), ValueError, "pool",
+     "pool must be writable row by row"),
+]
+
+
+@pytest.mark.parametrize("args,error,name,op_words", BAD)
+@pytest.mark.parametrize("entry", ["torch.ops.glm5", *BACKENDS])
+def test_bad_input_names_the_argument(args, error, name, op_words, entry):
+    """The op's own checks (its words) and the wrapper's on every backend (the
+    argument named first, what was given after 'got'); nothing is written."""
+    if DEVICE.type != "cpu" and ("rows of pool" in op_words or "got -1" in op_words):
         pytest.skip("slot ranges are checked on the host for CPU tensors only")
     pool, slots, values = args()
     before = pool.clone()
     with pytest.raises(error) as e:
-        glm5_ops.cache_write(pool, slots.to(DEVICE), values)
-    assert words in str(e.value)
+        if entry == "torch.ops.glm5":
+            torch.ops.glm5.cache_write(pool, slots.to(DEVICE), values)
+        else:
+            with glm5_ops.use_backend(entry):
+                glm5_ops.cache_write(pool, slots.to(DEVICE), values)
+    message = str(e.value)
+    assert (op_words in message) if entry == "torch.ops.glm5" else (message.startswith(name) and "got" in message)
     torch.testing.assert_close(pool, before, rtol=0, atol=0, equal_nan=True)   # nothing written

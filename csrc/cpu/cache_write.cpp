@@ -7,6 +7,7 @@
 // twice per layer per decode step. A mutating custom op is written in place.
 // Registered CompositeExplicitAutograd: one implementation for every device.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -16,6 +17,9 @@ namespace {
 
 void cache_write_op(at::Tensor pool, const at::Tensor& slots, const at::Tensor& values) {
   TORCH_CHECK_VALUE(pool.dim() == 2, "pool must have shape [P,D], got shape ", pool.sizes());
+  TORCH_CHECK_VALUE(at::has_internal_overlap(pool) != at::MemOverlap::Yes,
+                    "pool must be writable row by row (no two elements in one memory location), got strides ",
+                    pool.strides());
   TORCH_CHECK_VALUE(slots.dim() == 1, "slots must have shape [N], got shape ", slots.sizes());
   TORCH_CHECK_TYPE(slots.scalar_type() == at::kLong, "slots must be int64, got ", slots.scalar_type());
   TORCH_CHECK_VALUE(values.dim() == 2 && values.size(0) == slots.size(0) && values.size(1) == pool.size(1),
