@@ -4,9 +4,8 @@ One op (glm5::cache_write, csrc/cpu/cache_write.cpp) on every device, so that
 torch.compile sees a mutation of the pool it can keep in place; written as an
 index_copy_ into a view of the pool, the compiled decode step copied the whole
 cache twice per layer (models/glm5/cache.py). The C++ op checks its arguments
-and names them; this wrapper checks the same before any backend runs (the
-reference backend's index_copy would not name them). The "reference" backend
-runs reference.cache_write's rule in place.
+and names them; the "reference" backend checks the same in Python, then runs
+reference.cache_write's rule in place.
 """
 from __future__ import annotations
 
@@ -19,10 +18,21 @@ from ._backend import _C, cpp_ops, dispatch
 
 def cache_write(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """pool [P, D] (written in place), slots int64 [N] rows of pool, values [N, D] in pool's dtype."""
+    def in_place_reference():
+        _check_args(pool, slots, values)   # the C++ op checks the same itself: not twice on the hot path
+        pool.copy_(reference.cache_write(pool, slots, values))
+    return dispatch("cache_write", pool.device, {
+        "cpp": lambda: cpp_ops().cache_write(pool, slots, values),
+        "triton": lambda: cpp_ops().cache_write(pool, slots, values),   # data movement: no Triton kernel to have
+        "reference": in_place_reference,
+    })
+
+
+def _check_args(pool, slots, values) -> None:
+    """csrc/cpu/cache_write.cpp's checks, for the reference backend, whose index_copy would not name them."""
     check.tensor(pool, "pool", "[P, D]", rank=2, dtypes=None)
     P, D = pool.shape
-    # an expanded pool: index_copy_ would refuse without naming it (not traced: it would split the graph)
-    if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(pool) == 1:
+    if torch._debug_has_internal_overlap(pool) == 1:
         raise ValueError(f"pool must be writable row by row (no two elements in one memory location), "
                          f"got strides {pool.stride()}")
     check.tensor(slots, "slots", "[N]", rank=1, dtypes=(torch.int64,))
@@ -34,18 +44,10 @@ def cache_write(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -
     check.dim(values, "values", f"[N={N}, D={D}]", 0, N, "N")
     check.dim(values, "values", f"[N={N}, D={D}]", 1, D, "D")
     device = check.same_device(pool=pool, slots=slots, values=values)
-
-    def in_place_reference():   # the C++ op checks slots' range itself; on a GPU, index_copy_'s device assert
-        if device.type == "cpu" and check.host_value_check(slots):
-            lo, hi = int(slots.min()), int(slots.max())
-            if lo < 0 or hi >= P:
-                raise ValueError(f"slots must hold rows of pool in [0, P={P}), got values in [{lo}, {hi}]")
-        pool.copy_(reference.cache_write(pool, slots, values))
-    return dispatch("cache_write", device, {
-        "cpp": lambda: cpp_ops().cache_write(pool, slots, values),
-        "triton": lambda: cpp_ops().cache_write(pool, slots, values),   # data movement: no Triton kernel to have
-        "reference": in_place_reference,
-    })
+    if device.type == "cpu" and check.host_value_check(slots):   # on a GPU: index_copy_'s device assert
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= P:
+            raise ValueError(f"slots must hold rows of pool in [0, P={P}), got values in [{lo}, {hi}]")
 
 
 def _cache_write_fake(pool, slots, values):
