@@ -17,8 +17,8 @@ Layouts (glm5_ops/reference.py is the spec):
     y = glm5_ops.int8_linear(x, q, s, linear.bias)        # decode: reads int8 weights
     y = glm5_ops.w8a8_linear(x, q, s, linear.bias)        # prefill: int8 GEMM
 
-Inference only (no autograd). Backends: "cpp" (CPU: csrc/cpu/int8.cpp) and
-"reference"; no CUDA or Triton kernel yet (NotImplementedError names the op).
+Inference only (no autograd). Backends: "cpp" (CPU: csrc/cpu/int8.cpp; CUDA:
+csrc/cuda/int8.cu), "triton" (glm5_ops/triton/int8.py) and "reference".
 models/glm5/quantization.py applies these to a model.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from . import _checks as check
 from . import reference
-from ._backend import _C, cpp_ops, dispatch, register_op
+from ._backend import _C, cpp_ops, define_triton_ops, dispatch, register_op, triton_ops
 
 W8A8_MIN_ROWS = reference.W8A8_MIN_ROWS
 MAX_K_W8A8 = 131072   # K * 127 * 127 < 2^31: the int32 accumulator cannot overflow
@@ -43,6 +43,7 @@ def quantize_int8(x: torch.Tensor):
     x = x.detach().contiguous()
     return dispatch("quantize_int8", x.device, {
         "cpp": lambda: cpp_ops().int8_quantize_rows(x),
+        "triton": lambda: triton_ops(x.device).int8_quantize_rows(x),
         "reference": lambda: reference.int8_quantize_rows(x),
     })
 
@@ -83,6 +84,7 @@ def int8_linear(x, w, scale, bias=None):
     x2, w, scale, bias, device = _linear_args(x, w, scale, bias)
     y = dispatch("int8_linear", device, {
         "cpp": lambda: cpp_ops().int8_linear(x2, w, scale, bias),
+        "triton": lambda: triton_ops(device).int8_linear(x2, w, scale, bias),
         "reference": lambda: reference.int8_linear(x2, w, scale, bias),
     })
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -97,6 +99,7 @@ def w8a8_linear(x, w, scale, bias=None):
         raise ValueError(f"x must have K <= {MAX_K_W8A8} for w8a8_linear (int32 accumulation), got K={x2.shape[1]}")
     y = dispatch("w8a8_linear", device, {
         "cpp": lambda: cpp_ops().w8a8_linear(x2, w, scale, bias),
+        "triton": lambda: triton_ops(device).w8a8_linear(x2, w, scale, bias),
         "reference": lambda: reference.w8a8_linear(x2, w, scale, bias),
     })
     return y.reshape(*x.shape[:-1], w.shape[0])
@@ -138,6 +141,7 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
             down_scale.contiguous(), weights.contiguous(), ids.to(torch.int32).contiguous(), bool(w8a8))
     return dispatch("fused_moe_int8", device, {
         "cpp": lambda: cpp_ops().fused_moe_int8(*args),
+        "triton": lambda: triton_ops(device).fused_moe_int8(*args),
         "reference": lambda: reference.fused_moe_int8(*args),
     })
 
@@ -155,7 +159,8 @@ def _fused_moe_int8_fake(x, w_gate_up, gate_up_scale, w_down, down_scale, weight
 
 
 if _C is not None:
-    register_op("int8_quantize_rows", _quantize_rows_fake, namespaces=("glm5",))
-    register_op("int8_linear", _linear_fake, namespaces=("glm5",))
-    register_op("w8a8_linear", _linear_fake, namespaces=("glm5",))
-    register_op("fused_moe_int8", _fused_moe_int8_fake, namespaces=("glm5",))
+    define_triton_ops("int8", ("int8_quantize_rows", "int8_linear", "w8a8_linear", "fused_moe_int8"))
+    register_op("int8_quantize_rows", _quantize_rows_fake)
+    register_op("int8_linear", _linear_fake)
+    register_op("w8a8_linear", _linear_fake)
+    register_op("fused_moe_int8", _fused_moe_int8_fake)

@@ -6,16 +6,20 @@ import torch
 
 import glm5_ops
 from glm5_ops import reference as ref
-from conftest import DEVICE, fresh
+from conftest import BACKENDS, DEVICE, float_dtypes, fresh
 
-IMPLS = ["cpp", "reference"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=IMPLS)
+@pytest.fixture(params=BACKENDS)
 def impl(request):
     with glm5_ops.use_backend(request.param):
         yield request.param
+
+
+def _runs(impl, dtype):
+    if dtype not in float_dtypes(impl):
+        pytest.skip(f"{impl} has no {dtype} math here (Triton's interpreter)")
 
 
 def _tol(dtype, K):
@@ -33,6 +37,7 @@ def _weight(N, K, dtype=torch.float32):
 @pytest.mark.parametrize("shape", [(1, 1), (3, 37), (2, 5, 100), (7, 257), (4, 0), (0, 9)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_rows_matches_oracle(impl, poisoned, shape, dtype):
+    _runs(impl, dtype)
     x = fresh(*shape, dtype=dtype)
     if x.numel():
         x.view(-1, shape[-1])[0] = 0      # an all-zero row: scale 0, codes 0
@@ -52,6 +57,7 @@ def test_quantize_rows_matches_oracle(impl, poisoned, shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
+    _runs(impl, dtype)
     w, s = _weight(N, K)
     x = fresh(M, K, dtype=dtype)
     bias = fresh(N, dtype=dtype) if with_bias else None
@@ -65,6 +71,7 @@ def test_int8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_w8a8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
+    _runs(impl, dtype)
     w, s = _weight(N, K)
     x = fresh(M, K, dtype=dtype)
     bias = fresh(N, dtype=dtype) if with_bias else None
@@ -102,6 +109,7 @@ def _moe_args(T, D, I, E, k, dtype, seed):
 @pytest.mark.parametrize("w8a8", [False, True])
 def test_fused_moe_int8_matches_oracle(impl, poisoned, T, D, I, E, k, dtype, w8a8):
     """T=40, 70: experts hold more than 16 rows (the dequantise+GEMM and int8 GEMM paths)."""
+    _runs(impl, dtype)
     args = _moe_args(T, D, I, E, k, dtype, seed=T + D)
     out = glm5_ops.fused_moe_int8(*args, w8a8=w8a8)
     assert out.dtype == dtype and out.shape == (T, D)
@@ -116,12 +124,6 @@ def test_fused_moe_int8_equals_fused_moe_on_dequantised_weights():
     expect = glm5_ops.fused_moe(x, deq(wgu, sgu), deq(wd, sd), weights, ids)
     torch.testing.assert_close(glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids), expect,
                                rtol=1e-4, atol=1e-5)
-
-
-def test_triton_backend_says_it_has_no_kernel():
-    w, s = _weight(8, 16)
-    with glm5_ops.use_backend("triton"), pytest.raises(NotImplementedError, match="int8_linear"):
-        glm5_ops.int8_linear(fresh(2, 16), w, s)
 
 
 BAD = [

@@ -16,7 +16,8 @@ from conftest import DEVICE, INTERPRETED, fresh, triton_available
 DIFFERENTIABLE = ("sparse_attention_fwd", "block_sparse_attention_fwd", "moe_route", "fused_moe_fwd",
                   "moe_dispatch", "moe_combine")
 TRITON_OPS = ("sparse_attention_fwd", "sparse_attention_bwd", "block_sparse_attention_fwd",
-              "block_sparse_attention_bwd", "moe_route", "fused_moe_fwd", "fused_moe_bwd")
+              "block_sparse_attention_bwd", "moe_route", "fused_moe_fwd", "fused_moe_bwd",
+              "int8_quantize_rows", "int8_linear", "w8a8_linear", "fused_moe_int8")
 
 
 def _grad(*tensors):

@@ -250,7 +250,7 @@ class _Plan:
     sorted_pairs int32 [rows_max]: pair index t*k + j of each sorted row, P for padding
     expert_ids   int32 [rows_max / BLOCK_M]: expert of each M block (E past the end)
     num_rows     int32 [1]: rows in use (sum of the padded segments)
-    seg_start, seg_end int32 [E]: each expert's padded segment of rows."""
+    seg_start, seg_end int32 [E]: each expert's padded segment of rows; counts int32 [E]: its rows."""
 
     def __init__(self, ids: torch.Tensor, E: int, block_m: int):
         dev = ids.device
@@ -275,7 +275,7 @@ class _Plan:
         block_rows = torch.arange(0, rows_max, block_m, dtype=torch.int32, device=dev)
         self.expert_ids = torch.searchsorted(seg_end, block_rows, right=True).to(torch.int32)
         self.num_rows = seg_end[-1:].contiguous()
-        self.seg_start, self.seg_end = seg_start, seg_end
+        self.seg_start, self.seg_end, self.counts = seg_start, seg_end, counts
         self.rows_max = rows_max
         self.m_blocks = rows_max // block_m
 

@@ -333,10 +333,10 @@ PUBLIC = {
     "gemv_heads": (gemv_heads, ("cpp", "reference")),
     "rms_norm": (rms_norm, ("cpp", "reference", "triton")),    # torch's composite where no kernel runs
     "rope": (rope, ("cpp", "reference", "triton")),
-    "quantize_int8": (quantize_int8, ("cpp", "reference")),
-    "int8_linear": (int8_linear, ("cpp", "reference")),
-    "w8a8_linear": (int8_linear, ("cpp", "reference")),
-    "fused_moe_int8": (fused_moe_int8, ("cpp", "reference")),
+    "quantize_int8": (quantize_int8, ("cpp", "reference", "triton")),
+    "int8_linear": (int8_linear, ("cpp", "reference", "triton")),
+    "w8a8_linear": (int8_linear, ("cpp", "reference", "triton")),
+    "fused_moe_int8": (fused_moe_int8, ("cpp", "reference", "triton")),
 }
 # The differentiable ops, run forward then backward through autograd.
 BACKWARD = ("sparse_attention", "block_sparse_attention", "fused_moe")
