@@ -18,6 +18,9 @@ from ._backend import _C, cpp_ops, dispatch
 
 def cache_write(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """pool [P, D] (written in place), slots int64 [N] rows of pool, values [N, D] in pool's dtype."""
+    if not isinstance(pool, torch.Tensor):   # its device picks the backend
+        raise TypeError(f"pool must be a tensor [P, D], got {type(pool).__name__}")
+
     def in_place_reference():
         _check_args(pool, slots, values)   # the C++ op checks the same itself: not twice on the hot path
         pool.copy_(reference.cache_write(pool, slots, values))

@@ -311,6 +311,18 @@ def fused_moe_int8(draw, d: Dims, raw: bool):
             Arg("w8a8", draw(st.booleans()), "bool", not raw)]
 
 
+# -------------------------------------------------------------- paged cache --
+
+def cache_write(draw, d: Dims, raw: bool):
+    """pool [P, D] written in place (any layout but stride 0, which makes rows share memory),
+    slots int64 [N] rows of pool (repeats allowed: one of the writes lands), values [N, D]
+    in pool's dtype."""
+    P, D, N = d(1, 12), d(0, 9), d(0, 9, ())
+    dt = draw(st.sampled_from(MOE_FLOATS))
+    pool = Arg("pool", tensor([P, D], dt, "randn", draw(st.sampled_from(LAYOUTS[:-1]))), "float_t")
+    return [pool, _it(draw, "slots", [N], f"randint:0:{P}", P, ("int64",)), _ft(draw, "values", [N, D], dt)]
+
+
 def _fix(builder, **bound):
     return lambda draw, d, raw: builder(draw, d, raw, **bound)
 
@@ -337,6 +349,7 @@ PUBLIC = {
     "int8_linear": (int8_linear, ("cpp", "reference", "triton")),
     "w8a8_linear": (int8_linear, ("cpp", "reference", "triton")),
     "fused_moe_int8": (fused_moe_int8, ("cpp", "reference", "triton")),
+    "cache_write": (cache_write, ("cpp", "reference", "triton")),   # triton: the one C++ op (data movement)
 }
 # The differentiable ops, run forward then backward through autograd.
 BACKWARD = ("sparse_attention", "block_sparse_attention", "fused_moe")
@@ -364,4 +377,5 @@ RAW = {
     "int8_linear": int8_linear,
     "w8a8_linear": int8_linear,
     "fused_moe_int8": fused_moe_int8,
+    "cache_write": cache_write,
 }
