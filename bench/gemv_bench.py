@@ -12,7 +12,8 @@ kernel streams the weights (bench/RESULTS.md, "Decode linear layers").
 4. fused_moe_int8 decode, T = 1, 4, 16: GB/s of the chosen experts' int8 bytes, a fresh
    routing each call, cycled past twice the L3.
 5. Model: decode tokens/s of the preset at --context tokens, batch 1, fp32 / bf16 /
-   int8_weight_only, with the linear layers on F.linear ("before": plan's
+   int8_weight_only (DEFAULT_SKIP) and "int8 +head" (the LM head int8 too, the
+   other key layers kept), with the linear layers on F.linear ("before": plan's
    GEMV_MAX_ROWS emptied) and on gemv ("after"), all in this one run. With
    --compile, each model's eager gemv steps against its compile_decode() steps
    (F.linear left out: the plan's rows are read while tracing, so toggling them
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import glm5_ops  # noqa: E402
 from glm5_ops import plan  # noqa: E402
-from models.glm5 import GLM5ForCausalLM, preset, quantize  # noqa: E402
+from models.glm5 import DEFAULT_SKIP, GLM5ForCausalLM, preset, quantize  # noqa: E402
 
 L3 = 32 * 2**20
 
@@ -144,7 +145,10 @@ def bench_model(a):
     c = preset(a.preset)
     fp32 = GLM5ForCausalLM(c, attn="dsa").eval()
     models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
-              "int8": quantize(copy.deepcopy(fp32), "int8_weight_only")}
+              "int8": quantize(copy.deepcopy(fp32), "int8_weight_only"),
+              # What the fp32 LM head of DEFAULT_SKIP costs: 131 MB of the small preset's step.
+              "int8 +head": quantize(copy.deepcopy(fp32), "int8_weight_only",
+                                     skip=tuple(s for s in DEFAULT_SKIP if s != "lm_head"))}
     ids = torch.randint(0, c.vocab_size, (1, a.context + a.steps + 2))
     caches = {}
     with torch.inference_mode():   # as the engine decodes: no autograd work per op
@@ -181,12 +185,14 @@ def bench_model(a):
         print(f"  {k}: {v:.2f}")
     if a.compile:
         print("  " + "; ".join(f"{n} compiled / eager {tok[f'{n} compiled'] / tok[f'{n} gemv']:.2f}x" for n in models))
-        print(f"  compiled: int8 / fp32 {tok['int8 compiled'] / tok['fp32 compiled']:.2f}x; int8 / bf16 "
-              f"{tok['int8 compiled'] / tok['bf16 compiled']:.2f}x")
+        for q in ("int8", "int8 +head"):
+            print(f"  compiled: {q} / fp32 {tok[f'{q} compiled'] / tok['fp32 compiled']:.2f}x; {q} / bf16 "
+                  f"{tok[f'{q} compiled'] / tok['bf16 compiled']:.2f}x")
         return
     f = tok["fp32 gemv"]
     print(f"  fp32 gemv / F.linear {f / tok['fp32 F.linear']:.2f}x; bf16 {tok['bf16 gemv'] / tok['bf16 F.linear']:.2f}x; "
-          f"int8 / fp32 (both gemv) {tok['int8 gemv'] / f:.2f}x; int8 / bf16 {tok['int8 gemv'] / tok['bf16 gemv']:.2f}x")
+          f"int8 / fp32 (both gemv) {tok['int8 gemv'] / f:.2f}x; int8 / bf16 {tok['int8 gemv'] / tok['bf16 gemv']:.2f}x; "
+          f"int8 +head / fp32 {tok['int8 +head gemv'] / f:.2f}x")
 
 
 def main(argv=None):
