@@ -26,7 +26,7 @@ import torch
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
-MODULES = ("selection", "quantize", "attention", "moe")
+MODULES = ("selection", "quantize", "attention", "moe", "int8")
 
 
 class Recorder:
