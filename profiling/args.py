@@ -50,15 +50,22 @@ def add_quantization_arg(p) -> None:
 
     p.add_argument("--quantization", choices=MODES,
                    help="int8 weights with the key layers kept (models.glm5.quantize, DEFAULT_SKIP; docs/INT8.md); "
-                        "CPU only")
+                        "CPU, or CUDA with the extension's CUDA kernels")
 
 
 def check_quantization(args, device) -> None:
-    """The int8 ops have CPU kernels only: another device is a usage error before
-    the model is built, not a NotImplementedError at its first forward."""
-    if getattr(args, "quantization", None) and device.type != "cpu":
-        raise UsageError(f"--quantization {args.quantization}: the int8 kernels run on the CPU only (no CUDA or "
-                         f"Triton kernel yet), got device {device.type}")
+    """The int8 ops have CPU kernels and CUDA kernels (when glm5_ops._C was built
+    with them): another device is a usage error before the model is built, not a
+    NotImplementedError at its first forward."""
+    if not getattr(args, "quantization", None) or device.type == "cpu":
+        return
+    from glm5_ops import _backend
+    if device.type != "cuda":
+        raise UsageError(f"--quantization {args.quantization}: the int8 kernels run on the CPU and CUDA, "
+                         f"got device {device.type}")
+    if not getattr(_backend._C, "WITH_CUDA", 0):
+        raise UsageError(f"--quantization {args.quantization}: glm5_ops._C was built without its CUDA kernels "
+                         "(rebuild with nvcc present: pip install --no-build-isolation -e .)")
 
 
 def quantize_for(args, model, device):

@@ -9,6 +9,7 @@ from argparse import Namespace
 import pytest
 import torch
 
+import glm5_ops
 from models.glm5 import quantize
 from models.glm5.generate import generate
 from models.glm5.quantization import Int8Experts, Int8Linear
@@ -65,10 +66,15 @@ def test_engine_quantization_argument_errors():
     assert "quantization" not in Engine(scaled_model(), num_pages=8, log=False).stats()
 
 
-def test_quantization_needs_the_cpu():
+def test_quantization_needs_a_device_with_int8_kernels():
     check_quantization(Namespace(quantization=None), torch.device("cuda"))
     check_quantization(Namespace(quantization="w8a8"), torch.device("cpu"))
-    with pytest.raises(UsageError, match="--quantization w8a8: the int8 kernels run on the CPU only"):
+    with pytest.raises(UsageError, match="--quantization w8a8: the int8 kernels run on the CPU and CUDA"):
+        check_quantization(Namespace(quantization="w8a8"), torch.device("mps"))
+    if not glm5_ops._backend._C.WITH_CUDA:
+        with pytest.raises(UsageError, match="built without its CUDA kernels"):
+            check_quantization(Namespace(quantization="w8a8"), torch.device("cuda"))
+    else:
         check_quantization(Namespace(quantization="w8a8"), torch.device("cuda"))
 
 
