@@ -280,4 +280,36 @@ inline void check_combine_args(const at::Tensor& y_sorted, const at::Tensor& tok
                     token_slot.device(), " and ", weights.device());
 }
 
+// fused_moe_int8: x[T,D] (fp32/fp16/bf16), w_gate_up int8[E,2I,D] with gate_up_scale fp32[E,2I],
+// w_down int8[E,D,I] with down_scale fp32[E,D], ids int32[T,k], weights [T,k].
+inline void check_fused_moe_int8_args(const at::Tensor& x_in, const at::Tensor& w_gate_up_in,
+                                      const at::Tensor& gu_scale_in, const at::Tensor& w_down_in,
+                                      const at::Tensor& down_scale_in, const at::Tensor& weights_in,
+                                      const at::Tensor& ids_in) {
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "x must have shape [T,D], got ", x_in.sizes());
+  GLM5_CHECK_FLOAT(x_in, "x");
+  const int64_t T = x_in.size(0), D = x_in.size(1);
+  TORCH_CHECK_TYPE(w_gate_up_in.scalar_type() == at::kChar && w_down_in.scalar_type() == at::kChar,
+                   "w_gate_up and w_down must be int8, got ", w_gate_up_in.scalar_type(), " and ",
+                   w_down_in.scalar_type());
+  TORCH_CHECK_VALUE(w_gate_up_in.dim() == 3 && w_gate_up_in.size(2) == D && w_gate_up_in.size(1) % 2 == 0 &&
+                        w_gate_up_in.size(0) >= 1,
+                    "w_gate_up must have shape [E,2I,D=", D, "], got ", w_gate_up_in.sizes());
+  const int64_t E = w_gate_up_in.size(0), I2 = w_gate_up_in.size(1), I = I2 / 2;
+  TORCH_CHECK_VALUE(w_down_in.sizes() == at::IntArrayRef({E, D, I}), "w_down must have shape [E,D,I]=[", E, ",", D,
+                    ",", I, "], got ", w_down_in.sizes());
+  TORCH_CHECK_TYPE(gu_scale_in.scalar_type() == at::kFloat && down_scale_in.scalar_type() == at::kFloat,
+                   "gate_up_scale and down_scale must be fp32, got ", gu_scale_in.scalar_type(), " and ",
+                   down_scale_in.scalar_type());
+  TORCH_CHECK_VALUE(gu_scale_in.sizes() == at::IntArrayRef({E, I2}), "gate_up_scale must have shape [E,2I], got ",
+                    gu_scale_in.sizes());
+  TORCH_CHECK_VALUE(down_scale_in.sizes() == at::IntArrayRef({E, D}), "down_scale must have shape [E,D], got ",
+                    down_scale_in.sizes());
+  TORCH_CHECK_TYPE(ids_in.scalar_type() == at::kInt, "ids must be int32, got ", ids_in.scalar_type());
+  TORCH_CHECK_VALUE(ids_in.dim() == 2 && ids_in.size(0) == T, "ids must have shape [T=", T, ",k], got ",
+                    ids_in.sizes());
+  TORCH_CHECK_VALUE(weights_in.sizes() == ids_in.sizes(), "weights must have shape [T,k] like ids, got ",
+                    weights_in.sizes());
+}
+
 }  // namespace glm5

@@ -509,31 +509,10 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at:
 at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& gu_scale_in,
                           const at::Tensor& w_down_in, const at::Tensor& down_scale_in, const at::Tensor& weights_in,
                           const at::Tensor& ids_in, bool w8a8) {
-  TORCH_CHECK_VALUE(x_in.dim() == 2, "x must have shape [T,D], got ", x_in.sizes());
-  GLM5_CHECK_FLOAT(x_in, "x");
+  check_fused_moe_int8_args(x_in, w_gate_up_in, gu_scale_in, w_down_in, down_scale_in, weights_in, ids_in);
   const int64_t T = x_in.size(0), D = x_in.size(1);
-  TORCH_CHECK_TYPE(w_gate_up_in.scalar_type() == at::kChar && w_down_in.scalar_type() == at::kChar,
-                   "w_gate_up and w_down must be int8, got ", w_gate_up_in.scalar_type(), " and ",
-                   w_down_in.scalar_type());
-  TORCH_CHECK_VALUE(w_gate_up_in.dim() == 3 && w_gate_up_in.size(2) == D && w_gate_up_in.size(1) % 2 == 0 &&
-                        w_gate_up_in.size(0) >= 1,
-                    "w_gate_up must have shape [E,2I,D=", D, "], got ", w_gate_up_in.sizes());
   const int64_t E = w_gate_up_in.size(0), I2 = w_gate_up_in.size(1), I = I2 / 2;
-  TORCH_CHECK_VALUE(w_down_in.sizes() == at::IntArrayRef({E, D, I}), "w_down must have shape [E,D,I]=[", E, ",", D,
-                    ",", I, "], got ", w_down_in.sizes());
-  TORCH_CHECK_TYPE(gu_scale_in.scalar_type() == at::kFloat && down_scale_in.scalar_type() == at::kFloat,
-                   "gate_up_scale and down_scale must be fp32, got ", gu_scale_in.scalar_type(), " and ",
-                   down_scale_in.scalar_type());
-  TORCH_CHECK_VALUE(gu_scale_in.sizes() == at::IntArrayRef({E, I2}), "gate_up_scale must have shape [E,2I], got ",
-                    gu_scale_in.sizes());
-  TORCH_CHECK_VALUE(down_scale_in.sizes() == at::IntArrayRef({E, D}), "down_scale must have shape [E,D], got ",
-                    down_scale_in.sizes());
-  TORCH_CHECK_TYPE(ids_in.scalar_type() == at::kInt, "ids must be int32, got ", ids_in.scalar_type());
-  TORCH_CHECK_VALUE(ids_in.dim() == 2 && ids_in.size(0) == T, "ids must have shape [T=", T, ",k], got ",
-                    ids_in.sizes());
   const int64_t k = ids_in.size(1), P = T * k;
-  TORCH_CHECK_VALUE(weights_in.sizes() == ids_in.sizes(), "weights must have shape [T,k] like ids, got ",
-                    weights_in.sizes());
   check_device(w_gate_up_in, x_in, "w_gate_up");
   check_device(gu_scale_in, x_in, "gate_up_scale");
   check_device(w_down_in, x_in, "w_down");
