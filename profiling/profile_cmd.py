@@ -60,6 +60,9 @@ def add_parser(subparsers):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="decode: the step through model.compile_decode() (one torch.compile graph); warm-up >= 3 "
+                        "compiles it, and the FLOP count runs eager (the same ops)")
     add_quantization_arg(p)
     p.set_defaults(parser=p)
     return p
@@ -209,6 +212,9 @@ def run(args) -> int:
             raise UsageError(f"--seq/--sweep: {n} tokens exceed the model's max_position_embeddings "
                              f"({cfg.max_position_embeddings})")
     check_quantization(args, device)
+    if args.compile and args.mode != "decode":
+        raise UsageError(f"--compile: --mode decode only (compile_decode() compiles the one-token step), "
+                         f"got --mode {args.mode}")
     _check_fits(cfg, device, dtype, model_name)
     stem = os.path.basename(model_name.rstrip("/"))
     out = args.out or os.path.join("runs", f"profile-{stem}-{args.mode}-{args.attn}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -230,6 +236,9 @@ def run(args) -> int:
     runner = measure.Runner(model, args.mode, batch=args.batch, seq=args.seq, vocab=cfg.vocab_size, device=device,
                             total_steps=args.warmup + args.steps + 1, seed=args.seed)
     tokens_per_step = runner.tokens_per_step
+    if args.compile:
+        log("compile_decode(): the warm-up steps compile the decode step (about a minute on 2 cores)")
+        model.compile_decode()
 
     nvtx.enable(True)
     try:
@@ -270,11 +279,12 @@ def run(args) -> int:
         log("counting FLOPs and bytes per component (one more step, routing recorded)")
         counter = OpCounter(capture_layer=None)
         model.record = True  # the model keeps last_routing / last_selection
+        compiled, model._decode_layers = model._decode_layers, None   # a dispatch mode sees eager ops only
         try:
             with counter:
                 runner.step()
         finally:
-            model.record = False
+            model.record, model._decode_layers = False, compiled
         runner.zero_grad()
         maxvio, loads = _expert_load(model)
         log("measuring the memory read bandwidth (for the step's bound)")

@@ -292,6 +292,24 @@ def test_profile_tiny_end_to_end(tmp_path, capsys):
     assert data["flops"]["core attention"] > 0 and data["num_experts"] == 8
 
 
+def test_profile_compiled_decode_keeps_the_components(tmp_path, capsys):
+    """--compile: the measured steps run compile_decode()'s graph, whose component ranges
+    survive compilation; the FLOP/byte count runs eager (a dispatch mode sees no compiled op)."""
+    main = cli_main()
+    out = tmp_path / "compiled"
+    assert main(["profile", "--preset", "tiny", "--mode", "decode", "--seq", "32", "--steps", "1", "--warmup", "3",
+                 "--compile", "--out", str(out)]) == 0
+    assert "compile_decode()" in capsys.readouterr().out
+    rows = _component_rows((out / "report.md").read_text())
+    for name in ("indexer", "core attention", "experts", "LM head"):
+        assert float(rows[name][2]) > 0, name
+    data = json.loads((out / "report.json").read_text())
+    assert data["flops"]["experts"] > 0 and data["flops"]["core attention"] > 0
+    with pytest.raises(SystemExit) as exit_:
+        main(["profile", "--preset", "tiny", "--mode", "prefill", "--compile", "--out", str(out)])
+    assert exit_.value.code == 2 and "--compile: --mode decode only" in capsys.readouterr().err
+
+
 def test_profile_train_unfused_rows(tmp_path):
     main = cli_main()
     out = tmp_path / "train"
