@@ -280,6 +280,24 @@ inline void check_combine_args(const at::Tensor& y_sorted, const at::Tensor& tok
                     token_slot.device(), " and ", weights.device());
 }
 
+// int8_linear / w8a8_linear: x[M,K] (fp32/fp16/bf16), w int8[N,K], scale fp32[N], bias[N], one device.
+inline void check_int8_linear_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must have shape [M,K], got ", x.sizes());
+  GLM5_CHECK_FLOAT(x, "x");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "w must be int8, got ", w.scalar_type());
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), "w must have shape [N,K=", x.size(1), "], got ", w.sizes());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "scale must be fp32, got ", scale.scalar_type());
+  TORCH_CHECK_VALUE(scale.dim() == 1 && scale.size(0) == w.size(0), "scale must have shape [N=", w.size(0), "], got ",
+                    scale.sizes());
+  if (bias.has_value())
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == w.size(0), "bias must have shape [N=", w.size(0),
+                      "], got ", bias->sizes());
+  const bool one_device = w.device() == x.device() && scale.device() == x.device() &&
+                          (!bias.has_value() || bias->device() == x.device());
+  TORCH_CHECK_VALUE(one_device, "w, scale and bias must be on x's device ", x.device());
+}
+
 // fused_moe_int8: x[T,D] (fp32/fp16/bf16), w_gate_up int8[E,2I,D] with gate_up_scale fp32[E,2I],
 // w_down int8[E,D,I] with down_scale fp32[E,D], ids int32[T,k], weights [T,k].
 inline void check_fused_moe_int8_args(const at::Tensor& x_in, const at::Tensor& w_gate_up_in,

@@ -245,25 +245,7 @@ at::Tensor dequantize_rows(const at::Tensor& w, const at::Tensor& scale, at::Sca
   return (w.to(at::kFloat) * scale.unsqueeze(1)).to(dtype);
 }
 
-// ----------------------------------------------------------------- checks --
-
-void check_weight(const at::Tensor& w, const at::Tensor& scale, int64_t K, const char* w_name) {
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, w_name, " must be int8, got ", w.scalar_type());
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == K, w_name, " must have shape [N,K=", K, "], got ", w.sizes());
-  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "scale must be fp32, got ", scale.scalar_type());
-  TORCH_CHECK_VALUE(scale.dim() == 1 && scale.size(0) == w.size(0), "scale must have shape [N=", w.size(0), "], got ",
-                    scale.sizes());
-}
-
-void check_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must have shape [M,K], got ", x.sizes());
-  GLM5_CHECK_FLOAT(x, "x");
-  check_weight(w, scale, x.size(1), "w");
-  if (bias.has_value())
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == w.size(0), "bias must have shape [N=", w.size(0),
-                      "], got ", bias->sizes());
-}
+// ---------------------------------------------------------------- helpers --
 
 c10::optional<at::Tensor> fp32_bias(const c10::optional<at::Tensor>& bias) {
   if (!bias.has_value()) return c10::nullopt;
@@ -308,7 +290,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scale_in,
                        const c10::optional<at::Tensor>& bias_in) {
-  check_linear(x, w_in, scale_in, bias_in);
+  check_int8_linear_args(x, w_in, scale_in, bias_in);
   const int64_t M = x.size(0), K = x.size(1), N = w_in.size(0);
   const at::Tensor w = w_in.contiguous(), scale = scale_in.contiguous();
   const auto bias = fp32_bias(bias_in);
@@ -326,7 +308,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scale_in,
                        const c10::optional<at::Tensor>& bias_in) {
-  check_linear(x, w_in, scale_in, bias_in);
+  check_int8_linear_args(x, w_in, scale_in, bias_in);
   TORCH_CHECK_VALUE(x.size(1) <= 131072, "x must have K <= 131072 (int32 accumulation of int8 products), got K=",
                     x.size(1));
   const int64_t M = x.size(0), N = w_in.size(0);

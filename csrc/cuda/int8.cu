@@ -396,24 +396,6 @@ void check_device(const at::Tensor& t, const at::Tensor& x, const char* name) {
   TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on ", x.device(), " like x, got ", t.device());
 }
 
-void check_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must have shape [M,K], got ", x.sizes());
-  GLM5_CHECK_FLOAT(x, "x");
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "w must be int8, got ", w.scalar_type());
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(1) == x.size(1), "w must have shape [N,K=", x.size(1), "], got ", w.sizes());
-  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "scale must be fp32, got ", scale.scalar_type());
-  TORCH_CHECK_VALUE(scale.dim() == 1 && scale.size(0) == w.size(0), "scale must have shape [N=", w.size(0), "], got ",
-                    scale.sizes());
-  check_device(w, x, "w");
-  check_device(scale, x, "scale");
-  if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == w.size(0), "bias must have shape [N=", w.size(0),
-                      "], got ", bias->sizes());
-    check_device(*bias, x, "bias");
-  }
-}
-
 at::Tensor bias_or_zeros(const at::Tensor& x, int64_t M, int64_t N, const c10::optional<at::Tensor>& bias) {
   at::Tensor y = at::zeros({M, N}, x.options().dtype(at::kFloat));
   if (bias.has_value()) y += bias->to(at::kFloat);
@@ -435,7 +417,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x_in) {
 
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& scale_in,
                        const c10::optional<at::Tensor>& bias_in) {
-  check_linear(x_in, w_in, scale_in, bias_in);
+  check_int8_linear_args(x_in, w_in, scale_in, bias_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
   if (M == 0 || N == 0 || K == 0) return bias_or_zeros(x_in, M, N, bias_in);
@@ -485,7 +467,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at:
 
 at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& scale_in,
                        const c10::optional<at::Tensor>& bias_in) {
-  check_linear(x_in, w_in, scale_in, bias_in);
+  check_int8_linear_args(x_in, w_in, scale_in, bias_in);
   TORCH_CHECK_VALUE(x_in.size(1) <= 131072, "x must have K <= 131072 (int32 accumulation of int8 products), got K=",
                     x_in.size(1));
   const c10::cuda::CUDAGuard guard(x_in.device());

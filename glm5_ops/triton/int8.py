@@ -264,17 +264,19 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
     common = (plan.sorted_pairs, plan.expert_ids, plan.num_rows, heavy, plan.P, k)
     passes = (False, True) if w8a8 else (False,)
 
-    def launch(a, a_scale, w, ws, out, N, K, gate_up):
+    def launch(a, w, ws, out, N, K, gate_up):
+        """Both passes of one projection: weight-only (float a), then with w8a8 the heavy
+        experts on a's per-row int8 codes; BLOCK_M stays the plan's padding."""
+        a8_inputs = int8_quantize_rows(a) if w8a8 else None
         for a8 in passes:
-            tiles = _moe_tiles(x, T * k / E, a8)
-            tiles["BLOCK_M"] = cfg["BLOCK_M"]          # the plan's padding
+            tiles = dict(_moe_tiles(x, T * k / E, a8), BLOCK_M=cfg["BLOCK_M"])
+            src, src_scale = a8_inputs if a8 else (a, ws)   # src_scale is read only by A8 launches
             grid = (plan.m_blocks * triton.cdiv(N, tiles["BLOCK_N"]),)
-            src, src_scale = a_scale[0] if a8 else a, a_scale[1] if a8 else ws
             with launch_guard(lambda: f"triton fused_moe_int8 T={T} D={D} I={I} E={E} k={k}"):
                 _expert_gemm_kernel[grid](src, src_scale, w, ws, out, *common, N, K, plan.m_blocks,
                                           GATE_UP=gate_up, A8=a8, ACC=tl.int32 if a8 else tl.float32,
                                           PREC=_prec(x.dtype), **tiles)
 
-    launch(x, int8_quantize_rows(x) if w8a8 else None, w_gate_up, gate_up_scale, h, I, D, True)
-    launch(h, int8_quantize_rows(h) if w8a8 else None, w_down, down_scale, y, D, I, False)
+    launch(x, w_gate_up, gate_up_scale, h, I, D, True)
+    launch(h, w_down, down_scale, y, D, I, False)
     return _combine(y, weights.float().contiguous(), T, k, D, x.dtype)
