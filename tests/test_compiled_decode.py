@@ -64,3 +64,25 @@ def test_compile_decode_rebuilds_derived_weights():
         attn.kv_b_proj.weight.mul_(2)
     model.compile_decode()
     torch.testing.assert_close(attn._derived["w_uk_rows"][1], before * 2)
+
+
+def test_compiled_decode_reads_the_weights_of_each_step():
+    """compile_decode() drops the guards on module attributes (torch 2.11+): the weights
+    must still be read at each call, so a weight changed in place, or a parameter
+    replaced by one of the same shape, shows in the next compiled step as in eager."""
+    torch.manual_seed(2)
+    model = GLM5ForCausalLM(preset("tiny")).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 9))
+    torch._dynamo.reset()
+    model.compile_decode()
+    _, before, _ = _decode(model, prompt, 3)       # compiled, at these weights
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_a_proj.weight.mul_(-1.5)
+    dense = model.model.layers[0].mlp                 # first_k_dense_replace: layer 0's MLP is dense
+    dense.down_proj.weight = torch.nn.Parameter(torch.randn_like(dense.down_proj.weight))
+    c_tokens, c_logits, _ = _decode(model, prompt, 3)
+    model._decode_layers = None                    # eager steps from here
+    tokens, logits, _ = _decode(model, prompt, 3)
+    assert c_tokens == tokens
+    torch.testing.assert_close(c_logits, logits, rtol=1e-5, atol=1e-5)
+    assert (c_logits - before).abs().max() > 1e-2      # the changes did change the step
