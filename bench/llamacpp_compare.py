@@ -159,9 +159,10 @@ def _ints(text: str) -> list[int]:
 
 def _precisions(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in ("fp32", "int8")]
+    from llamacpp.speed import PRECISIONS
+    bad = [v for v in values if v not in PRECISIONS]
     if bad or not values:
-        raise argparse.ArgumentTypeError(f"expected a comma list of fp32, int8; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(PRECISIONS)}; got {text!r}")
     return values
 
 
@@ -182,7 +183,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=_ints, default=[512], help="speed: prefill sizes (llama-bench pp)")
     ap.add_argument("--depths", type=_ints, default=[0], help="speed: decode depths (llama-bench tg @ d)")
     ap.add_argument("--precision", type=_precisions, default=["fp32", "int8"],
-                    help="speed: fp32 (against llama.cpp F32) and/or int8 (weight-only, against Q8_0)")
+                    help="speed: fp32 (against llama.cpp F32), int8 (weight-only, default skip list, against "
+                         "Q8_0), int8_head (the LM head int8 too, as Q8_0 does: the like-for-like pair)")
     ap.add_argument("--engine", type=_engines, default=["llama.cpp", "ours"],
                     help="speed: llama.cpp,ours (default: both, back to back) or one of them, for a size where "
                          "one engine alone fills a quiet run")

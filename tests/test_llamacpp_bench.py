@@ -124,7 +124,26 @@ def test_speed_arguments_are_checked(capsys):
     import llamacpp_compare
     with pytest.raises(SystemExit):
         llamacpp_compare.main(["speed", "--precision", "fp16"])
-    assert "fp32, int8" in capsys.readouterr().err
+    assert "fp32, int8, int8_head" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         llamacpp_compare.main(["speed", "--decode-steps", "0"])
     assert "--decode-steps must be >= 1" in capsys.readouterr().err
+
+
+def test_int8_head_is_the_default_skip_list_less_the_lm_head():
+    """Q8_0 quantises the LM head: int8_head is our like-for-like model, int8 our default."""
+    from llamacpp.speed import GGUF_TYPE, int8_skip
+    from models.glm5.quantization import DEFAULT_SKIP
+    assert int8_skip("int8") == DEFAULT_SKIP
+    assert set(int8_skip("int8_head")) == set(DEFAULT_SKIP) - {"lm_head"} and "lm_head" in DEFAULT_SKIP
+    assert GGUF_TYPE["int8"] == GGUF_TYPE["int8_head"] == "q8_0"
+    with pytest.raises(ValueError, match="not an int8 precision"):
+        int8_skip("fp32")
+
+
+def test_speed_table_has_the_int8_head_pair():
+    from llamacpp_report import speed_table
+    rows = [_row("ours", "int8_head", "decode", 0, 90.0), _row("llama.cpp", "int8_head", "decode", 0, 60.0)]
+    lines = speed_table(rows).splitlines()
+    assert "ours int8, LM head int8" in lines[0]
+    assert lines[2].startswith("| decode at depth 0 | - | - | - | - | - | - | 90.0 | 60.0 | **1.50x** |")

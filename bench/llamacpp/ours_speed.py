@@ -1,6 +1,6 @@
 """Child process: our GLM-5 on one prefill or decode measurement, as llama-bench does it.
 
-    python bench/llamacpp/ours_speed.py CKPT fp32|int8 prefill|decode N STEPS CHUNK [compile]
+    python bench/llamacpp/ours_speed.py CKPT fp32|int8|int8_head prefill|decode N STEPS CHUNK [compile]
 
 prefill N: tokens/s of `prefill` over N tokens into an empty paged cache.
 decode N: fill the cache with N tokens (untimed, like llama-bench's depth run; N = 0
@@ -9,7 +9,8 @@ timed: STEPS / seconds. Before timing, a short warm-up (64-token prefill, 2 deco
 steps on a throwaway cache) so that one-time costs (thread pool, first allocations)
 are not charged to the measurement, as llama-bench's warm-up run does.
 int8: CKPT is the int8 checkpoint `speed.prepared_models` saved (models.glm5.quantize,
-"int8_weight_only", the lab's default skip list: lm_head and the embedding stay fp32).
+"int8_weight_only", the lab's default skip list: lm_head and the embedding stay fp32);
+int8_head: the same with the LM head int8 too (speed.int8_skip).
 compile: decode steps through `model.compile_decode()` (torch.compile'd layers); the
 compile happens in COMPILE_WARMUP untimed steps on the measured cache itself, at the
 measured depth (a cache of another length or at the other side of index_topk would
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "int8", "int8_head")
 WARMUP_TOKENS = 64
 COMPILE_WARMUP = 3      # steps: the first compiles, the second makes the length dynamic, the third checks
 
@@ -41,7 +42,7 @@ def load(ckpt: str, precision: str):
     from models.glm5.quantization import QUANT_FILE
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if (precision == "int8") != os.path.exists(os.path.join(ckpt, QUANT_FILE)):
+    if (precision != "fp32") != os.path.exists(os.path.join(ckpt, QUANT_FILE)):
         raise ValueError(f"ckpt {ckpt!r} does not hold a {precision} model ({QUANT_FILE} decides)")
     return GLM5ForCausalLM.from_pretrained(ckpt, verbose=False).eval()
 

@@ -4,7 +4,10 @@ llama.cpp on one checkpoint, each ratio from one run.
 The checkpoint and its GGUFs (F32 and Q8_0) are written once into the llama.cpp
 work folder (`prepared_models`) and reused by every later run, so a run measures
 and nothing else, and runs on different days compare the same weights.
-Pairs: ours fp32 against llama.cpp F32, ours int8 weight-only against Q8_0.
+Pairs: ours fp32 against llama.cpp F32; ours int8 weight-only against Q8_0 twice:
+"int8" with the lab's default skip list (fp32 LM head), and "int8_head" with the LM head
+int8 too, which is what Q8_0 quantises (it keeps only the router and the indexer's
+weights_proj in F32, as DEFAULT_SKIP does): the like-for-like pair.
 """
 from __future__ import annotations
 
@@ -16,8 +19,9 @@ import time
 
 from .build import LlamaCpp, LlamaCppUnavailable, _log
 
-GGUF_TYPE = {"fp32": "f32", "int8": "q8_0"}            # our precision -> llama.cpp's
-LLAMA_LABEL = {"fp32": "F32", "int8": "Q8_0"}
+GGUF_TYPE = {"fp32": "f32", "int8": "q8_0", "int8_head": "q8_0"}    # our precision -> llama.cpp's
+LLAMA_LABEL = {"fp32": "F32", "int8": "Q8_0", "int8_head": "Q8_0"}
+PRECISIONS = tuple(GGUF_TYPE)
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ours_speed.py")
 # llama-bench's warm-up repeats the whole prompt run: above this many tokens it is
 # skipped (a 16,384-token warm-up would cost minutes; one-time costs are <1% of such a run).
@@ -25,8 +29,8 @@ WARMUP_MAX_PROMPT = 4096
 
 
 def prepared_models(lc: LlamaCpp, config, name: str, precisions) -> dict:
-    """{"ckpt": folder, "fp32": f32.gguf, "int8": q8_0.gguf} under the llama.cpp work
-    folder, written when absent (a `.done` file marks each complete)."""
+    """{"ckpt": folder, "ckpt_int8": ..., "fp32": f32.gguf, "int8": q8_0.gguf, ...} under
+    the llama.cpp work folder, written when absent (a `.done` file marks each complete)."""
     from .checkpoint import write_checkpoint
     from .convert import convert_to_gguf
     folder = os.path.join(os.path.dirname(lc.build_dir), "models", name)
@@ -36,8 +40,9 @@ def prepared_models(lc: LlamaCpp, config, name: str, precisions) -> dict:
         write_checkpoint(config, ckpt)
         open(ckpt + ".done", "w").close()
     out = {"ckpt": ckpt}
-    if "int8" in precisions:
-        out["ckpt_int8"] = _int8_checkpoint(ckpt, folder)
+    for p in precisions:
+        if p != "fp32":
+            out[f"ckpt_{p}"] = _int8_checkpoint(ckpt, folder, p)
     for p in precisions:
         gguf = os.path.join(folder, f"model-{GGUF_TYPE[p]}.gguf")
         if not os.path.exists(gguf + ".done"):
@@ -48,17 +53,27 @@ def prepared_models(lc: LlamaCpp, config, name: str, precisions) -> dict:
     return out
 
 
-def _int8_checkpoint(ckpt: str, folder: str) -> str:
-    """Our int8 weight-only model (models.glm5.quantize, the lab's default skip list), saved
+def int8_skip(precision: str) -> tuple[str, ...]:
+    """The skip list of our int8 model for `precision`: DEFAULT_SKIP, or it less the LM head."""
+    from models.glm5.quantization import DEFAULT_SKIP
+    if precision not in ("int8", "int8_head"):
+        raise ValueError(f"not an int8 precision: {precision!r}")
+    return DEFAULT_SKIP if precision == "int8" else tuple(p for p in DEFAULT_SKIP if p != "lm_head")
+
+
+def _int8_checkpoint(ckpt: str, folder: str, precision: str) -> str:
+    """Our int8 weight-only model (models.glm5.quantize with int8_skip(precision)), saved
     once: quantising at load would add minutes to every run."""
-    path = os.path.join(folder, "ckpt-int8")
+    path = os.path.join(folder, "ckpt-" + precision.replace("_", "-"))
     if not os.path.exists(path + ".done"):
         import torch
 
         from models.glm5 import GLM5ForCausalLM, quantize, save_quantized
-        _log(f"quantising {ckpt} to int8 weight-only into {path} (once)")
+        skip = int8_skip(precision)
+        _log(f"quantising {ckpt} to int8 weight-only (skip {skip}) into {path} (once)")
         with torch.no_grad():
-            save_quantized(quantize(GLM5ForCausalLM.from_pretrained(ckpt, verbose=False), "int8_weight_only"), path)
+            model = GLM5ForCausalLM.from_pretrained(ckpt, verbose=False)
+            save_quantized(quantize(model, "int8_weight_only", skip=skip), path)
         open(path + ".done", "w").close()
     return path
 
@@ -132,7 +147,7 @@ def run_speed(lc: LlamaCpp, models: dict, *, precisions, prefill, depths, thread
                          "build_commit": rec.get("build_commit")})
             print(f"[speed]   llama.cpp {LLAMA_LABEL[precision]}: {rows[-1]['tok_s']:.2f} tok/s", flush=True)
         if "ours" in engines:
-            r = run_ours(models["ckpt_int8" if precision == "int8" else "ckpt"], precision, task, n, steps, chunk,
+            r = run_ours(models["ckpt" if precision == "fp32" else f"ckpt_{precision}"], precision, task, n, steps, chunk,
                          threads, compile)
             rows.append({**r, "chunk": chunk})
             print(f"[speed]   ours {precision}: {r['tok_s']:.2f} tok/s", flush=True)
