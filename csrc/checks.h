@@ -298,6 +298,21 @@ inline void check_int8_linear_args(const at::Tensor& x, const at::Tensor& w, con
   TORCH_CHECK_VALUE(one_device, "w, scale and bias must be on x's device ", x.device());
 }
 
+// int8_linear_heads: x[H,M,K] float, w int8[H,N,K], scale fp32[H,N]; w's and scale's rows contiguous
+// (their heads any distance apart), all on x's device.
+inline void check_int8_linear_heads_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK_VALUE(x.dim() == 3, "x must have shape [H,M,K], got ", x.sizes());
+  GLM5_CHECK_FLOAT(x, "x");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "w must be int8, got ", w.scalar_type());
+  TORCH_CHECK_VALUE(w.dim() == 3 && w.size(0) == x.size(0) && w.size(2) == x.size(2), "w must have shape [H=",
+                    x.size(0), ",N,K=", x.size(2), "], got ", w.sizes());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "scale must be fp32, got ", scale.scalar_type());
+  TORCH_CHECK_VALUE(scale.dim() == 2 && scale.size(0) == w.size(0) && scale.size(1) == w.size(1),
+                    "scale must have shape [H=", w.size(0), ",N=", w.size(1), "], got ", scale.sizes());
+  TORCH_CHECK_VALUE(w.device() == x.device() && scale.device() == x.device(), "w and scale must be on x's device ",
+                    x.device());
+}
+
 // fused_moe_int8: x[T,D] (fp32/fp16/bf16), w_gate_up int8[E,2I,D] with gate_up_scale fp32[E,2I],
 // w_down int8[E,D,I] with down_scale fp32[E,D], ids int32[T,k], weights [T,k].
 inline void check_fused_moe_int8_args(const at::Tensor& x_in, const at::Tensor& w_gate_up_in,

@@ -74,6 +74,10 @@ TORCH_LIBRARY(glm5, m) {
   m.def("int8_quantize_rows(Tensor x) -> (Tensor, Tensor)");
   // x[M,K] float, w int8[N,K], scale fp32[N], bias[N] -> [M,N] x.dtype: weight-only int8
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  // every head's own product: x[H,M,K] float, w int8[H,N,K], scale fp32[H,N] -> [H,M,N] x.dtype,
+  // y[h] = x[h] @ (w[h] * scale[h])^T (MLA's W_UK/W_UV from an int8 kv_b_proj at decode). w's and
+  // scale's rows must be contiguous; their heads may be any distance apart (views of kv_b_proj)
+  m.def("int8_linear_heads(Tensor x, Tensor w, Tensor scale) -> Tensor");
   // the same with x quantised per row at run time (dynamic W8A8, int32 accumulation)
   m.def("w8a8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
   // fused_moe_fwd with int8 experts: w_gate_up int8[E,2I,D], gate_up_scale fp32[E,2I],

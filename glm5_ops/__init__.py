@@ -12,7 +12,7 @@ from ._backend import BACKENDS, current_backend, use_backend
 from .attention import BlockMask, block_sparse_attention, block_topk_mask, sparse_attention
 from .compress import SavedTensorMeter, compressed_activations, dequantize, quantize_groupwise
 from .indexer import indexer_scores, indexer_topk, topk_indices
-from .int8 import fused_moe_int8, int8_linear, quantize_int8, w8a8_linear
+from .int8 import fused_moe_int8, int8_linear, int8_linear_heads, quantize_int8, w8a8_linear
 from . import linear as linear_module
 from .linear import gemv, gemv_heads, linear, linear_heads, takes_gemv as linear_takes_gemv
 from .moe import fused_moe, moe_combine, moe_dispatch, moe_route
@@ -27,5 +27,5 @@ __all__ = ["BACKENDS", "current_backend", "use_backend", "reference",
            "attention_recall", "AttentionRecall",
            "moe_route", "moe_dispatch", "moe_combine", "fused_moe", "MoEPlan",
            "quantize_groupwise", "dequantize", "compressed_activations", "SavedTensorMeter",
-           "quantize_int8", "int8_linear", "w8a8_linear", "fused_moe_int8",
+           "quantize_int8", "int8_linear", "int8_linear_heads", "w8a8_linear", "fused_moe_int8",
            "gemv", "gemv_heads", "linear", "linear_heads", "linear_takes_gemv", "rms_norm", "rope", "cache_write"]

@@ -6,6 +6,8 @@ Layouts (glm5_ops/reference.py is the spec):
                                 scale = max|row| / 127, q = round(x / scale) in [-127, 127]
   w int8 [N, K], scale fp32 [N]  a linear layer's weight, one scale per output channel
   int8_linear(x, w, scale, bias)  x [..., K] -> [..., N] in x.dtype: x @ (w * scale)^T + bias
+  int8_linear_heads(x, w, scale)  x [H,M,K], w int8 [H,N,K], scale fp32 [H,N] -> [H,M,N]: each
+                                  head's own int8_linear in one call (MLA's W_UK/W_UV at decode)
   w8a8_linear(x, w, scale, bias)  the same with x quantised per row at run time (dynamic),
                                   products summed exactly in int32 (K <= 131072)
   fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8=False)
@@ -90,6 +92,26 @@ def int8_linear(x, w, scale, bias=None):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def int8_linear_heads(x, w, scale):
+    """Each head's weight-only product in one call: x [H,M,K] float, w int8 [H,N,K],
+    scale fp32 [H,N] -> [H,M,N] in x.dtype, y[h] = x[h] @ (w[h] * scale[h][:, None])^T,
+    fp32 accumulation. w's and scale's heads may be any distance apart (views of one
+    int8 kv_b_proj are read in place); rows are made contiguous when they are not."""
+    check.tensor(x, "x", "[H, M, K]", rank=3)
+    H, M, K = x.shape
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] != H or w.shape[2] != K:
+        raise ValueError(f"w must have shape [H={H}, N, K={K}] (H and K of x), got "
+                         f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+    _check_int8_weight(w, scale, "w", f"[H={H}, N, K={K}]", "scale", tuple(w.shape[:2]))
+    device = check.same_device(x=x, w=w, scale=scale)
+    x = x.detach().contiguous()
+    return dispatch("int8_linear_heads", device, {
+        "cpp": lambda: cpp_ops().int8_linear_heads(x, w, scale),
+        "triton": lambda: triton_ops(device).int8_linear_heads(x, w, scale),
+        "reference": lambda: reference.int8_linear_heads(x, w, scale),
+    })
+
+
 def w8a8_linear(x, w, scale, bias=None):
     """Dynamic W8A8 linear: each row of x [..., K] quantised per row (quantize_int8) at
     run time, int8 x int8 products summed in int32, then * x_scale * scale + bias.
@@ -154,13 +176,19 @@ def _linear_fake(x, w, scale, bias):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
+def _linear_heads_fake(x, w, scale):
+    return x.new_empty((x.shape[0], x.shape[1], w.shape[1]))
+
+
 def _fused_moe_int8_fake(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8):
     return x.new_empty(x.shape)
 
 
 if _C is not None:
-    define_triton_ops("int8", ("int8_quantize_rows", "int8_linear", "w8a8_linear", "fused_moe_int8"))
+    define_triton_ops("int8", ("int8_quantize_rows", "int8_linear", "int8_linear_heads", "w8a8_linear",
+                               "fused_moe_int8"))
     register_op("int8_quantize_rows", _quantize_rows_fake)
     register_op("int8_linear", _linear_fake)
+    register_op("int8_linear_heads", _linear_heads_fake)
     register_op("w8a8_linear", _linear_fake)
     register_op("fused_moe_int8", _fused_moe_int8_fake)

@@ -655,6 +655,13 @@ def int8_linear(x, w, scale, bias=None):
     return y.to(x.dtype)
 
 
+def int8_linear_heads(x, w, scale):
+    """Each head's weight-only int8 product: x [H,M,K] float, w int8 [H,N,K], scale
+    fp32 [H,N] -> [H,M,N] in x.dtype, y[h] = x[h] @ (w[h] * scale[h][:, None])^T
+    (float64 here; the kernels accumulate in fp32)."""
+    return (x.double() @ (w.double() * scale.double()[..., None]).transpose(1, 2)).to(x.dtype)
+
+
 def w8a8_linear(x, w, scale, bias=None):
     """Dynamic W8A8 linear: each row of x [M,K] is quantised as above
     (qx, sx = int8_quantize_rows(x)), then

@@ -118,6 +118,7 @@ GLM5_FLOPS = {
     "glm5::int8_quantize_rows": lambda a: 0,
     "glm5::int8_linear": lambda a: 2 * a["x"].shape[0] * a["w"].shape[0] * a["w"].shape[1],
     "glm5::w8a8_linear": lambda a: 2 * a["x"].shape[0] * a["w"].shape[0] * a["w"].shape[1],
+    "glm5::int8_linear_heads": lambda a: 2 * a["x"].shape[0] * a["x"].shape[1] * a["w"].shape[1] * a["w"].shape[2],
     "glm5::fused_moe_int8": _fused_moe,
     "aten::scaled_dot_product_attention": _sdpa_fwd,
     "aten::_scaled_dot_product_flash_attention_for_cpu": _sdpa_fwd,

@@ -12,7 +12,7 @@ OPS = ["indexer_scores", "topk_indices", "indexer_topk", "sparse_attention_fwd",
        "block_sparse_attention_fwd", "block_sparse_attention_bwd", "block_topk_mask",
        "moe_route", "moe_dispatch", "moe_combine", "fused_moe_fwd", "fused_moe_bwd",
        "quantize_groupwise", "dequantize",
-       "int8_quantize_rows", "int8_linear", "w8a8_linear", "fused_moe_int8"]
+       "int8_quantize_rows", "int8_linear", "int8_linear_heads", "w8a8_linear", "fused_moe_int8"]
 # Decode-time kernels with no CUDA counterpart (glm5_ops runs torch there: docs/OPS.md).
 CPU_ONLY_OPS = ["gemv", "rms_norm", "rope"]
 # One implementation for every device (data movement: index_copy_ behind a mutating schema).

@@ -66,6 +66,41 @@ def test_int8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
     torch.testing.assert_close(y.float(), ref.int8_linear(x, w, s, bias).float(), **_tol(dtype, K))
 
 
+@pytest.mark.parametrize("H,M", [(1, 1), (16, 1), (3, 5), (2, 16)])
+@pytest.mark.parametrize("K,N", [(37, 11), (64, 256), (256, 64)])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_linear_heads_matches_oracle(impl, poisoned, H, M, K, N, strided, dtype):
+    """Each head's product; strided: w's and scale's heads apart, as MLA's W_UV view of kv_b_proj."""
+    _runs(impl, dtype)
+    w, s = glm5_ops.quantize_int8(fresh(H, N + 5 * strided, K, scale=K ** -0.5))
+    if strided:
+        w, s = w[:, 5:], s[:, 5:]
+    x = fresh(H, M, K, dtype=dtype)
+    y = glm5_ops.int8_linear_heads(x, w, s)
+    assert y.dtype == dtype and y.shape == (H, M, N)
+    torch.testing.assert_close(y.float(), ref.int8_linear_heads(x, w, s).float(), **_tol(dtype, K))
+    # a head's product is int8_linear's on that head
+    torch.testing.assert_close(y[H - 1].float(), glm5_ops.int8_linear(x[H - 1], w[H - 1], s[H - 1]).float(),
+                               **_tol(dtype, K))
+
+
+def test_bad_int8_linear_heads_input(impl):
+    w, s = glm5_ops.quantize_int8(fresh(3, 8, 16))
+    x = fresh(3, 2, 16)
+    cases = [
+        (lambda: glm5_ops.int8_linear_heads(fresh(2, 16), w, s), ValueError, r"x must have shape \[H, M, K\]"),
+        (lambda: glm5_ops.int8_linear_heads(x, w.float(), s), TypeError, "w must be int8"),
+        (lambda: glm5_ops.int8_linear_heads(x, w[:2], s[:2]), ValueError, r"w must have shape \[H=3, N, K=16\]"),
+        (lambda: glm5_ops.int8_linear_heads(x, w, s[:, :-1]), ValueError, "scale must have shape"),
+        (lambda: glm5_ops.int8_linear_heads(x, w, s.half()), TypeError, "scale"),
+        (lambda: glm5_ops.int8_linear_heads(x.int(), w, s), TypeError, "x must"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
 @pytest.mark.parametrize("M", [1, 4, 17, 33])
 @pytest.mark.parametrize("K,N", [(37, 11), (257, 130)])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -175,6 +210,8 @@ def test_cpp_ops_guard_direct_calls():
         ops.int8_linear(x, wgu[0], sgu[0, :3], None)
     with pytest.raises((TypeError, RuntimeError), match="int8"):
         ops.w8a8_linear(x, wgu[0].float(), sgu[0], None)
+    with pytest.raises((ValueError, RuntimeError), match="scale must have shape"):
+        ops.int8_linear_heads(x[None], wgu[:1], sgu[:1, :3])
 
 
 def test_fused_moe_int8_decode_split_is_exact_and_thread_independent():

@@ -1,5 +1,7 @@
 """models.glm5.quantize on the tiny preset: what it replaces, what DEFAULT_SKIP
 keeps, outputs close to fp32, weight bytes, save/load through from_pretrained."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -36,7 +38,7 @@ def test_default_skip_keeps_key_layers_and_quantises_the_rest(mode):
     for layer in model.model.layers:
         attn = layer.self_attn
         assert isinstance(attn.q_a_proj, Int8Linear) and isinstance(attn.o_proj, Int8Linear)
-        assert isinstance(attn.kv_b_proj, nn.Linear)
+        assert isinstance(attn.kv_b_proj, Int8Linear)     # MLA reads it through int8_linear_heads
         if attn.indexer is not None:
             assert isinstance(attn.indexer.weights_proj, nn.Linear) and isinstance(attn.indexer.wk, Int8Linear)
     moe = model.model.layers[1].mlp
@@ -120,3 +122,39 @@ def test_decode_with_cache_matches_full_forward():
         cache = model.new_cache(2, 32)
         steps = [model(ids[:, :17], cache)[:, -1]] + [model(ids[:, s:s + 1], cache)[:, -1] for s in range(17, 20)]
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 16:], rtol=1e-4, atol=1e-4)
+
+
+def test_int8_kv_b_proj_decodes_as_its_dequantised_weight(monkeypatch):
+    """MLA reads an int8 kv_b_proj through int8_linear_heads at decode (W_UK^T with kv_b's row
+    scales folded into the query, W_UV as int8 views) and dequantises it for prefill: the logits
+    equal those of the same model whose kv_b_proj is an fp32 Linear holding the dequantised weight."""
+    torch.manual_seed(5)
+    model = quantize(_model(), "int8_weight_only")
+    plain = copy.deepcopy(model)
+    for layer in plain.model.layers:
+        attn = layer.self_attn
+        assert isinstance(attn.kv_b_proj, Int8Linear)
+        linear = nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(attn.kv_b_proj.weight)
+        attn.kv_b_proj = linear
+    ids = _ids()
+
+    def run(m):
+        cache = m.new_cache(ids.shape[0], ids.shape[1] + 6)
+        with torch.inference_mode():
+            logits, _ = m.prefill(ids, cache)
+            out, nxt = [logits], logits.argmax(-1)[:, None]
+            for _ in range(5):
+                logits = m(nxt, cache)[:, -1]
+                out.append(logits)
+                nxt = logits.argmax(-1)[:, None]
+        return torch.stack(out)
+
+    calls = []
+    heads = glm5_ops.int8_linear_heads
+    monkeypatch.setattr(glm5_ops, "int8_linear_heads", lambda *a: calls.append(1) or heads(*a))
+    got = run(model)
+    assert len(calls) >= 2 * 5 * model.config.num_hidden_layers    # W_UK and W_UV of every decode step
+    expect = run(plain)
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)

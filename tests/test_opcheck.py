@@ -17,7 +17,7 @@ DIFFERENTIABLE = ("sparse_attention_fwd", "block_sparse_attention_fwd", "moe_rou
                   "moe_dispatch", "moe_combine")
 TRITON_OPS = ("sparse_attention_fwd", "sparse_attention_bwd", "block_sparse_attention_fwd",
               "block_sparse_attention_bwd", "moe_route", "fused_moe_fwd", "fused_moe_bwd",
-              "int8_quantize_rows", "int8_linear", "w8a8_linear", "fused_moe_int8")
+              "int8_quantize_rows", "int8_linear", "int8_linear_heads", "w8a8_linear", "fused_moe_int8")
 
 
 def _grad(*tensors):
@@ -133,6 +133,10 @@ CASES = {
                      (fresh(4, 2, 24), fresh(4, 10, 48)[:, :, :24], None)],   # per head, heads strided
     "int8_linear": lambda: _int8_linear_cases(),
     "w8a8_linear": lambda: _int8_linear_cases(),
+    # per head; the second with w's and scale's heads strided (views of one kv_b_proj)
+    "int8_linear_heads": lambda: [(fresh(3, 2, 40), *torch.ops.glm5.int8_quantize_rows(fresh(3, 7, 40))),
+                                  (fresh(4, 1, 24, dtype=torch.bfloat16),
+                                   *(t[:, 3:] for t in torch.ops.glm5.int8_quantize_rows(fresh(4, 10, 24))))],
     "fused_moe_int8": lambda: [(*_fused_int8(T), w8a8) for T in (3, 40) for w8a8 in (False, True)],
     "rms_norm": lambda: [(fresh(3, 5, 40), fresh(40), 1e-6), (fresh(7, 33, dtype=torch.bfloat16),
                                                             fresh(33, dtype=torch.bfloat16), 1e-5)],

@@ -86,6 +86,38 @@ void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* sc
   });
 }
 
+// y[H,M,N] fp32, y[h] = x[h] @ (w[h] * scale[h])^T: heads ws / ss elements apart in w / scale,
+// rows contiguous. Threads take ranges of (head, row tile) pairs: MLA's heads are small
+// (64 x 256), too small to split one head's rows across threads.
+void gemv_heads(const float* x, int64_t H, int64_t M, int64_t K, const int8_t* w, int64_t ws, const float* scale,
+                int64_t ss, int64_t N, float* y) {
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;   // per head
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * std::max<int64_t>(K, 1)));
+  auto each_head = [&](int64_t t0, int64_t t1, auto&& run) {
+    for (int64_t h = t0 / tiles; h * tiles < t1; ++h) {
+      const int64_t n0 = (std::max(t0, h * tiles) - h * tiles) * kTileRows;
+      const int64_t n1 = std::min(N, (std::min(t1, (h + 1) * tiles) - h * tiles) * kTileRows);
+      run(h, n0, n1);
+    }
+  };
+#if defined(__AVX512F__)
+  if (vnni::use_digits(K)) {
+    const vnni::ActDigits digits = vnni::make_digits(x, H * M, K, K);   // row h*M + m: head h's row m
+    at::parallel_for(0, H * tiles, grain, [&](int64_t t0, int64_t t1) {
+      each_head(t0, t1, [&](int64_t h, int64_t n0, int64_t n1) {
+        vnni::rows_digits(digits, h * M, M, w + h * ws, n0, n1, scale + h * ss, nullptr, y, N);
+      });
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, H * tiles, grain, [&](int64_t t0, int64_t t1) {
+    each_head(t0, t1, [&](int64_t h, int64_t n0, int64_t n1) {
+      gemv::rows<int8_t>(x + h * M * K, K, M, K, w + h * ws, scale + h * ss, nullptr, n0, n1, y + h * M * N, N);
+    });
+  });
+}
+
 #if defined(__AVX512F__)
 // One int8 weight row read start to end against MB activation rows, 4 accumulator
 // chains of 16 lanes per activation row (fixed order: a row's result does not
@@ -306,6 +338,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
   return y.to(x.scalar_type());
 }
 
+at::Tensor int8_linear_heads(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scale_in) {
+  check_int8_linear_heads_args(x, w_in, scale_in);
+  const int64_t H = x.size(0), M = x.size(1), K = x.size(2), N = w_in.size(1);
+  // rows contiguous, heads any distance apart (W_UV is a strided view of kv_b_proj's weight)
+  const at::Tensor w = w_in.stride(2) == 1 && w_in.stride(1) == K ? w_in : w_in.contiguous();
+  const at::Tensor scale = scale_in.stride(1) == 1 ? scale_in : scale_in.contiguous();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({H, M, N}, xf.options());
+  if (H > 0 && M > 0 && N > 0) {
+    if (K == 0) return y.zero_().to(x.scalar_type());
+    gemv_heads(xf.data_ptr<float>(), H, M, K, w.data_ptr<int8_t>(), w.stride(0), scale.data_ptr<float>(),
+               scale.stride(0), N, y.data_ptr<float>());
+  }
+  return y.to(x.scalar_type());
+}
+
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scale_in,
                        const c10::optional<at::Tensor>& bias_in) {
   check_int8_linear_args(x, w_in, scale_in, bias_in);
@@ -442,6 +490,7 @@ TORCH_LIBRARY_IMPL(glm5, CompositeExplicitAutograd, m) { m.impl("int8_decode_ker
 TORCH_LIBRARY_IMPL(glm5, CPU, m) {
   m.impl("int8_quantize_rows", &glm5::cpu::int8_quantize_rows);
   m.impl("int8_linear", &glm5::cpu::int8_linear);
+  m.impl("int8_linear_heads", &glm5::cpu::int8_linear_heads);
   m.impl("w8a8_linear", &glm5::cpu::w8a8_linear);
   m.impl("fused_moe_int8", &glm5::cpu::fused_moe_int8);
 }

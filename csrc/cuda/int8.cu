@@ -465,6 +465,15 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at:
   return y;
 }
 
+// Each head's weight-only product, one int8_linear launch per head (MLA: 16-128 heads of
+// 64 x 512 at decode; a launch of its own per head is the simple correct form).
+at::Tensor int8_linear_heads(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  check_int8_linear_heads_args(x, w, scale);
+  at::Tensor y = at::empty({x.size(0), x.size(1), w.size(1)}, x.options());
+  for (int64_t h = 0; h < x.size(0); ++h) y[h].copy_(int8_linear(x[h], w[h], scale[h], c10::nullopt));
+  return y;
+}
+
 at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& scale_in,
                        const c10::optional<at::Tensor>& bias_in) {
   check_int8_linear_args(x_in, w_in, scale_in, bias_in);
@@ -560,6 +569,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
 TORCH_LIBRARY_IMPL(glm5, CUDA, m) {
   m.impl("int8_quantize_rows", &glm5::cuda::int8_quantize_rows);
   m.impl("int8_linear", &glm5::cuda::int8_linear);
+  m.impl("int8_linear_heads", &glm5::cuda::int8_linear_heads);
   m.impl("w8a8_linear", &glm5::cuda::w8a8_linear);
   m.impl("fused_moe_int8", &glm5::cuda::fused_moe_int8);
 }

@@ -5,6 +5,7 @@ of the glm5_triton:: ops (schemas: csrc/ops.cpp; semantics: glm5_ops/reference.p
 
   int8_quantize_rows(x[..., K])            -> (q int8 [..., K], scale fp32 [...])
   int8_linear(x[M,K], w int8[N,K], scale fp32[N], bias[N]?)  -> [M,N] x.dtype  (weight-only)
+  int8_linear_heads(x[H,M,K], w int8[H,N,K], scale fp32[H,N]) -> [H,M,N]  (a head per grid row)
   w8a8_linear(x, w, scale, bias)          -> the same with x quantised per row, int32 sums
   fused_moe_int8(x[T,D], w_gate_up int8[E,2I,D], gate_up_scale[E,2I], w_down int8[E,D,I],
                  down_scale[E,D], weights[T,k], ids int32[T,k], w8a8) -> [T,D] x.dtype
@@ -110,9 +111,16 @@ def _mma(a, b, acc, A8: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K,
+def _linear_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, w_head, s_head,
                    A8: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (M block, N block) tile of head program_id(2) (one head without heads):
+    head h's x, y at h*M*K, h*M*N; its w, scale w_head, s_head elements apart."""
+    h = tl.program_id(2).to(tl.int64)
+    x_ptr += h * M * K
+    y_ptr += h * M * N
+    w_ptr += h * w_head
+    s_ptr += h * s_head
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -151,18 +159,24 @@ def _tiles(x: torch.Tensor, rows: float, a8: bool) -> dict:
 
 
 def _linear(x, w, scale, bias, a8: bool):
-    M, K = x.shape
-    N = w.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
+    """x [M,K] or, with heads, x [H,M,K], w [H,N,K], scale [H,N] (rows contiguous)."""
+    H, M, K = (1, *x.shape) if x.dim() == 2 else x.shape
+    N = w.shape[-2]
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
+    if H == 0 or M == 0 or N == 0:
         return y
     if K == 0:
         return y.copy_(bias.to(x.dtype).expand(M, N)) if bias is not None else y.zero_()
+    if x.dim() == 3 and (w.stride(-1) != 1 or w.stride(-2) != K):
+        w = w.contiguous()
+    if x.dim() == 3 and scale.stride(-1) != 1:
+        scale = scale.contiguous()
+    heads = (w.stride(0), scale.stride(0)) if x.dim() == 3 else (0, 0)
     a, xs = int8_quantize_rows(x) if a8 else (x, scale)   # xs is not read without A8
     cfg = _tiles(x, M, a8)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
-    with launch_guard(lambda: f"triton {'w8a8' if a8 else 'int8'}_linear M={M} N={N} K={K}"):
-        _linear_kernel[grid](a, xs, w, scale, bias if bias is not None else scale, y, M, N, K,
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), H)
+    with launch_guard(lambda: f"triton {'w8a8' if a8 else 'int8'}_linear H={H} M={M} N={N} K={K}"):
+        _linear_kernel[grid](a, xs, w, scale, bias if bias is not None else scale, y, M, N, K, *heads,
                              A8=a8, HAS_BIAS=bias is not None, ACC=tl.int32 if a8 else tl.float32,
                              PREC=_prec(x.dtype), **cfg)
     return y
@@ -172,6 +186,12 @@ def int8_linear(x, w, scale, bias):
     """Weight-only: x @ (w * scale)^T + bias, fp32 accumulation, [M,N] in x.dtype."""
     _check_dtype(x, "int8_linear")
     return _linear(x, w, scale, bias, a8=False)
+
+
+def int8_linear_heads(x, w, scale):
+    """Each head's weight-only product: x [H,M,K], w [H,N,K], scale [H,N] -> [H,M,N] x.dtype."""
+    _check_dtype(x, "int8_linear_heads")
+    return _linear(x, w, scale, None, a8=False)
 
 
 def w8a8_linear(x, w, scale, bias):

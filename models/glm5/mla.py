@@ -20,7 +20,8 @@ from glm5_ops.nvtx import nvtx_range
 
 from .config import GLM5Config
 from .layers import Linear, RMSNorm
-from .workspace import Workspace, assign, heads_product, joined
+from .quantization import Int8Linear
+from .workspace import Int8Heads, Workspace, assign, heads_product, joined
 
 
 class Indexer(nn.Module):
@@ -138,9 +139,29 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
         return w[:, :self.nope], w[:, self.nope:]
 
+    def _w_uk(self) -> torch.Tensor:
+        return self._absorb()[0]
+
+    def _kv_b_int8(self):
+        """(q int8 [H, n+v, C], scale [H, n+v]) of an int8 kv_b_proj (models.glm5.quantize), else None."""
+        if not isinstance(self.kv_b_proj, Int8Linear):
+            return None
+        rows = self.nope + self.v_dim
+        return (self.kv_b_proj.qweight.view(self.n_heads, rows, self.kv_lora),
+                self.kv_b_proj.scale.view(self.n_heads, rows))
+
+    def _w_uv(self):
+        """W_UV [H,v,C] for heads_output: int8 views of an int8 kv_b_proj, read in place."""
+        int8 = self._kv_b_int8()
+        if int8 is None:
+            return self._absorb()[1]
+        q, scale = int8
+        return Int8Heads(q[:, self.nope:], scale[:, self.nope:])
+
     def _derived_weight(self, name: str, build) -> torch.Tensor:
         """build()'s result, rebuilt only when kv_b_proj's weight changes (inference: no gradient flows through it)."""
-        w = self.kv_b_proj.weight
+        # the stored tensor: an int8 kv_b_proj's .weight would dequantise a fresh copy
+        w = self.kv_b_proj.qweight if isinstance(self.kv_b_proj, Int8Linear) else self.kv_b_proj.weight
         if torch.compiler.is_compiling():
             # A traced version check would split the graph: a compiled step takes what
             # build_derived_weights() stored (GLM5ForCausalLM.compile_decode calls it).
@@ -174,13 +195,22 @@ class MLAttention(nn.Module):
             return lifted
         return self._derived_weight("lifted_w_uk", build)
 
-    def w_uk_rows(self) -> torch.Tensor:
-        """W_UK^T [H, C, nope], contiguous: absorbed_queries' product with few queries, row by row."""
-        return self._derived_weight("w_uk_rows", lambda: self._absorb()[0].transpose(1, 2).contiguous())
+    def w_uk_rows(self):
+        """W_UK^T [H, C, nope], contiguous: absorbed_queries' product with few queries, row
+        by row. Of an int8 kv_b_proj: its int8 rows transposed (Int8Heads), kv_b's row
+        scales applied to the query (they run along nope here): exact, nothing requantised."""
+        def build():
+            int8 = self._kv_b_int8()
+            if int8 is None:
+                return self._absorb()[0].transpose(1, 2).contiguous()
+            q, scale = int8
+            w = q[:, :self.nope].transpose(1, 2).contiguous()
+            return Int8Heads(w, scale.new_ones(w.shape[:2]), scale[:, :self.nope].contiguous())
+        return self._derived_weight("w_uk_rows", build)
 
     def absorb_queries(self, q_nope, q_rot, workspace: Workspace):
         """The absorbed query [q_nope W_UK, q_rot] [B,S,H,C+r]."""
-        return workspace.absorbed_queries(q_nope, q_rot, self._absorb()[0], self.lifted_w_uk, self.w_uk_rows)
+        return workspace.absorbed_queries(q_nope, q_rot, self._w_uk, self.lifted_w_uk, self.w_uk_rows)
 
     def expand(self, q_nope, q_rot, keys, workspace: Workspace | None = None):
         """The non-absorbed (per-head) form: q [B,S,H,nope+rope], k [B,T,H,nope+rope]
@@ -203,5 +233,5 @@ class MLAttention(nn.Module):
         or [B,S,H,C] (absorbed, through W_UV)."""
         B, S = out.shape[:2]
         if not expanded:
-            out = heads_product(out, self._absorb()[1])   # W_UV [H,v,C]: rows contiguous, read in place
+            out = heads_product(out, self._w_uv())   # W_UV [H,v,C]: rows contiguous, read in place
         return out.reshape(B, S, self.n_heads * self.v_dim)

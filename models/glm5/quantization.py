@@ -20,9 +20,6 @@ DEFAULT_SKIP keeps in their original precision (docs/INT8.md has the measurement
   error flips it, and the router is 0.05% of the weights;
 - `*.indexer.weights_proj`: the indexer's head weights decide which keys DSA
   keeps (HF's FP8 DeepSeek-V3.2 recipe keeps the router and this unquantised);
-- `*.kv_b_proj`: MLA's absorbed form reads its weight as W_UK/W_UV matrices
-  (mla.py), not through a linear call, so an int8 copy would be dequantised on
-  every forward.
 Norms are never quantised (they are not matrices).
 
 Modes: "int8_weight_only" (int8 weights, float activations: decode reads a
@@ -45,7 +42,7 @@ from glm5_ops.int8 import W8A8_MIN_ROWS
 from .moe import Experts, Router
 
 MODES = ("int8_weight_only", "w8a8")
-DEFAULT_SKIP = ("lm_head", "model.embed_tokens", "*.mlp.gate", "*.indexer.weights_proj", "*.kv_b_proj")
+DEFAULT_SKIP = ("lm_head", "model.embed_tokens", "*.mlp.gate", "*.indexer.weights_proj")
 QUANT_FILE = "quantization.json"
 
 

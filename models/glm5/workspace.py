@@ -10,6 +10,8 @@ torch.is_grad_enabled() itself.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,8 @@ import glm5_ops
 
 # Fewer queries (decode) make small products: heads_product, no lifted weight.
 _BATCHED_MIN_QUERIES = 64
+# More rows than this: an int8 heads_product dequantises and runs the GEMM (as int8_linear does)
+_INT8_HEADS_MAX_ROWS = 16
 
 
 def reusing() -> bool:
@@ -50,13 +54,31 @@ def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, b], dim=-1)
 
 
-def heads_product(x: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class Int8Heads:
+    """Each head's int8 rows, for heads_product: q int8 [H,N,K] with scale fp32 [H,N]
+    (one per row), and x_scale [H,K] or None, a per-column scale folded into x first
+    (W_UK^T from a per-row int8 kv_b_proj: kv_b's row scales run along K here)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    x_scale: torch.Tensor | None = None
+
+
+def heads_product(x: torch.Tensor, w_rows) -> torch.Tensor:
     """x [B,S,H,K] times each head's w_rows [H,N,K] transposed: [B,S,H,N]. Few
     rows (decode) on the CPU: the gemv kernel, one call for every head (reads
     w_rows' heads in place; torch.bmm's per-head GEMMs took ~100 us for MLA's
-    1 MB a layer); else einsum."""
+    1 MB a layer); else einsum. Int8Heads: glm5_ops.int8_linear_heads (inference)."""
     B, S, H, K = x.shape
     by_head = x.reshape(B * S, H, K).transpose(0, 1)
+    if isinstance(w_rows, Int8Heads):
+        if w_rows.x_scale is not None:
+            by_head = by_head * w_rows.x_scale[:, None, :]
+        if B * S > _INT8_HEADS_MAX_ROWS:   # compute-bound: dequantise once, then the batched GEMM
+            w = glm5_ops.reference.int8_dequantize_rows(w_rows.q, w_rows.scale, x.dtype)
+            return torch.einsum("hmk,hnk->mhn", by_head, w).reshape(B, S, H, w.shape[1])
+        y = glm5_ops.int8_linear_heads(by_head, w_rows.q, w_rows.scale)
+        return y.transpose(0, 1).reshape(B, S, H, w_rows.q.shape[1])
     if glm5_ops.linear_takes_gemv(by_head, w_rows):
         return glm5_ops.linear_heads(by_head, w_rows).transpose(0, 1).reshape(B, S, H, w_rows.shape[1])
     return torch.einsum("bshk,hnk->bshn", x, w_rows)
@@ -91,7 +113,7 @@ class Workspace:
         return out
 
     def absorbed_queries(self, q_nope, q_rot, w_uk, lifted, w_uk_rows) -> torch.Tensor:
-        """[q_nope W_UK, q_rot] [B,S,H,C+r] for q_nope [B,S,H,n], w_uk [H,n,C].
+        """[q_nope W_UK, q_rot] [B,S,H,C+r] for q_nope [B,S,H,n], w_uk() [H,n,C].
         Reusing with few queries: heads_product by w_uk_rows() = W_UK^T
         [H,C,n], a contiguous copy (the gemv kernel reads rows). Reusing with
         many: one batched product per head of [q_nope, q_rot] by lifted() =
@@ -100,7 +122,7 @@ class Workspace:
         allocated afresh. Recording: einsum by w_uk itself (its gradient)."""
         B, S, H, _ = q_nope.shape
         if not reusing():
-            return torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk), q_rot], dim=-1)
+            return torch.cat([torch.einsum("bshn,hnc->bshc", q_nope, w_uk()), q_rot], dim=-1)
         if S < _BATCHED_MIN_QUERIES:
             return torch.cat([heads_product(q_nope, w_uk_rows()), q_rot], dim=-1)
         w = lifted()

@@ -299,6 +299,13 @@ def int8_linear(draw, d: Dims, raw: bool):
     return [_ft(draw, "x", lead + [K], dt), _i8(draw, "w", [N, K]), _ft(draw, "scale", [N], "float32"), bias]
 
 
+def int8_linear_heads(draw, d: Dims, raw: bool):
+    """x [H, M, K] (M past 16 reaches the model's dequantised path too), w int8 [H, N, K], scale fp32 [H, N]."""
+    H, M, K, N = d(0, 5), d(0, 9, (17,)), d(0, 9, (65, 257)), d(0, 9, (17,))
+    return [_ft(draw, "x", [H, M, K], draw(st.sampled_from(FLOATS))), _i8(draw, "w", [H, N, K]),
+            _ft(draw, "scale", [H, N], "float32")]
+
+
 def fused_moe_int8(draw, d: Dims, raw: bool):
     """T up to 33 rows, so with w8a8 an expert can get more than W8A8_MIN_ROWS rows (int8 GEMMs)."""
     T, D, I, E, k = d(0, 9, (17, 33)), d(0, 9), d(0, 9), d(1, 5, ()), d(0, 3, ())
@@ -348,6 +355,7 @@ PUBLIC = {
     "quantize_int8": (quantize_int8, ("cpp", "reference", "triton")),
     "int8_linear": (int8_linear, ("cpp", "reference", "triton")),
     "w8a8_linear": (int8_linear, ("cpp", "reference", "triton")),
+    "int8_linear_heads": (int8_linear_heads, ("cpp", "reference", "triton")),
     "fused_moe_int8": (fused_moe_int8, ("cpp", "reference", "triton")),
     "cache_write": (cache_write, ("cpp", "reference", "triton")),   # triton: the one C++ op (data movement)
 }
@@ -376,6 +384,7 @@ RAW = {
     "int8_quantize_rows": quantize_int8,
     "int8_linear": int8_linear,
     "w8a8_linear": int8_linear,
+    "int8_linear_heads": int8_linear_heads,
     "fused_moe_int8": fused_moe_int8,
     "cache_write": cache_write,
 }
