@@ -332,7 +332,7 @@ class GLM5ForCausalLM(nn.Module):
         serving engine's packed steps stay eager. Returns the model."""
         for layer in list(self.model.layers) + [mtp.layer for mtp in self.model.mtp]:
             layer.self_attn.build_derived_weights()
-        self._decode_layers = torch.compile(self._layers, **_decode_compile_options(options))
+        self._decode_layers = torch.compile(self._layers, **options)
         return self
 
     def _layers(self, input_ids, positions, segments):
@@ -423,17 +423,3 @@ def count_parameters(model: nn.Module) -> int:
             n += p.numel()
     return n
 
-
-def _decode_compile_options(options: dict) -> dict:
-    """torch.compile's arguments for compile_decode(): the caller's, plus a guard filter
-    that drops the guards on module attributes. The step reads every weight of the model,
-    so evaluating those guards cost 0.7 ms of a 7 ms int8 `small` step before each call
-    (bench/RESULTS.md, "Decode compiled"). Dropping them is safe for this step: its
-    modules do not change between steps, its weights are graph inputs read at each call,
-    and a change to kv_b_proj already needs compile_decode() again (derived weights).
-    Tensor and global guards stay (shapes: the context length, index_topk's branch).
-    torch 2.11+ has the filter; a caller's own `options` dict wins."""
-    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
-    if skip is None or "guard_filter_fn" in options.get("options", {}):
-        return options
-    return {**options, "options": {"guard_filter_fn": skip, **options.get("options", {})}}
