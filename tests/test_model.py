@@ -507,3 +507,16 @@ def test_ranges_name_every_component():
                  "layer0/attn/out", "layer0/mlp", "layer1/moe/route", "layer1/moe/dispatch",
                  "layer1/moe/experts", "layer1/moe/combine", "layer1/moe/shared", "norm", "lm_head"):
         assert name in names, name
+
+
+def test_a_cache_too_large_to_allocate_is_a_value_error_naming_the_sizes():
+    """Sizes within every bound can still ask for more memory than there is (the fuzzer's
+    batch=2^31-1): the allocator's RuntimeError becomes a ValueError naming them."""
+    from models.glm5.cache import KVPool
+    model = GLM5ForCausalLM(preset("tiny"))
+    with pytest.raises(ValueError, match=r"batch, max_tokens and page_size must give a cache that fits in memory, "
+                                         r"got batch=2147483647, max_tokens=1 and page_size=1: a cache of [0-9.]+ GiB"):
+        model.new_cache(2**31 - 1, 1, page_size=1)
+    with pytest.raises(ValueError, match=r"num_pages and page_size must give a pool that fits in memory, "
+                                         r"got num_pages=2147483647"):
+        KVPool(model.config, 2**31 - 1, 1)

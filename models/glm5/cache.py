@@ -44,6 +44,18 @@ from .config import GLM5Config
 
 class KVPool:
     def __init__(self, config: GLM5Config, num_pages: int, page_size: int, *, dtype=torch.float32, device="cpu"):
+        try:
+            self._allocate(config, num_pages, page_size, dtype, device)
+        except RuntimeError as e:   # the allocator's "can't allocate memory" (CPU) or out of memory (CUDA)
+            if "allocate" not in str(e) and "out of memory" not in str(e):
+                raise
+            need = KVPool.bytes_per_token(config, dtype) * num_pages * page_size
+            # a ValueError: the sizes asked are at fault (PagedCache names its own arguments instead)
+            raise ValueError(f"num_pages and page_size must give a pool that fits in memory, got num_pages={num_pages} "
+                             f"and page_size={page_size}: a pool of {need / 2**30:.1f} GiB on {device}, more than "
+                             "can be allocated") from e
+
+    def _allocate(self, config, num_pages, page_size, dtype, device):
         c = config
         int_in_range(num_pages, "num_pages", 1, INT32_MAX)
         int_in_range(page_size, "page_size", 1, c.max_position_embeddings)
@@ -145,7 +157,15 @@ class PagedCache:
                              f"ids, got batch={batch}, max_tokens={max_tokens}, page_size={page_size}")
         self.config, self.batch, self.page_size, self.max_tokens = c, batch, page_size, max_tokens
         self.pages_per_seq = -(-max_tokens // page_size)
-        self.pool = KVPool(c, batch * self.pages_per_seq, page_size, dtype=dtype, device=device)
+        try:
+            self.pool = KVPool(c, batch * self.pages_per_seq, page_size, dtype=dtype, device=device)
+        except ValueError as e:
+            if not isinstance(e.__cause__, RuntimeError):   # an argument check, not the allocation
+                raise
+            need = KVPool.bytes_per_token(c, dtype) * batch * self.pages_per_seq * page_size
+            raise ValueError(f"batch, max_tokens and page_size must give a cache that fits in memory, got batch={batch}, "
+                             f"max_tokens={max_tokens} and page_size={page_size}: a cache of {need / 2**30:.1f} GiB on "
+                             f"{device}, more than can be allocated") from e.__cause__
         self.block_table = torch.full((batch, self.pages_per_seq), -1, dtype=torch.int64, device=device)
         self.free_pages = list(range(batch * self.pages_per_seq))[::-1]   # pop() takes the lowest
         self.pages_allocated = 0   # pages 0..pages_allocated-1 of every sequence hold a page
