@@ -26,9 +26,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.dirname(BENCH), BENCH]      # the repository (models/) and bench/ (llamacpp/)
 
-PRECISIONS = ("fp32", "int8", "int8_head")
+from llamacpp.speed import PRECISIONS  # noqa: E402   (one list: the pairs speed.py runs)
 WARMUP_TOKENS = 64
 COMPILE_WARMUP = 3      # steps: the first compiles, the second makes the length dynamic, the third checks
 

@@ -160,18 +160,18 @@ def _tiles(x: torch.Tensor, rows: float, a8: bool) -> dict:
 
 def _linear(x, w, scale, bias, a8: bool):
     """x [M,K] or, with heads, x [H,M,K], w [H,N,K], scale [H,N] (rows contiguous)."""
-    H, M, K = (1, *x.shape) if x.dim() == 2 else x.shape
+    per_head = x.dim() == 3
+    H, M, K = x.shape if per_head else (1, *x.shape)
     N = w.shape[-2]
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype, device=x.device)
     if H == 0 or M == 0 or N == 0:
         return y
     if K == 0:
         return y.copy_(bias.to(x.dtype).expand(M, N)) if bias is not None else y.zero_()
-    if x.dim() == 3 and (w.stride(-1) != 1 or w.stride(-2) != K):
-        w = w.contiguous()
-    if x.dim() == 3 and scale.stride(-1) != 1:
-        scale = scale.contiguous()
-    heads = (w.stride(0), scale.stride(0)) if x.dim() == 3 else (0, 0)
+    if per_head:   # rows contiguous; heads any distance apart (views of one weight)
+        w = w if w.stride(-1) == 1 and w.stride(-2) == K else w.contiguous()
+        scale = scale if scale.stride(-1) == 1 else scale.contiguous()
+    heads = (w.stride(0), scale.stride(0)) if per_head else (0, 0)
     a, xs = int8_quantize_rows(x) if a8 else (x, scale)   # xs is not read without A8
     cfg = _tiles(x, M, a8)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), H)
