@@ -35,6 +35,19 @@ def test_strided_values_and_empty_slots(backend):
     torch.testing.assert_close(pool, before, rtol=0, atol=0)
 
 
+def test_row_strided_pool_and_values_and_strided_slots(backend):
+    """The rows-at-a-time path (row-contiguous pool and values, any row stride): only the
+    slots' rows of the pool view change, nothing beside them in the underlying storage."""
+    storage = fresh(30, 12)
+    pool = storage[::2, 2:9]                      # [15, 7]: row stride 24, columns contiguous
+    values = fresh(4, 10)[:, 1:8]                 # [4, 7]: row stride 10
+    slots = torch.tensor([3, 99, 14, 99, 0, 99, 7], device=DEVICE)[::2]
+    expect = storage.clone()
+    expect[::2, 2:9] = reference.cache_write(expect[::2, 2:9], slots, values)
+    glm5_ops.cache_write(pool, slots, values)
+    torch.testing.assert_close(storage, expect, rtol=0, atol=0)
+
+
 BAD = [
     (lambda: (fresh(4, 3, 2), torch.tensor([0]), fresh(1, 2)), ValueError, "pool", "pool must have shape [P,D]"),
     (lambda: (fresh(4, 3), torch.tensor([[0]]), fresh(1, 3)), ValueError, "slots", "slots must have shape [N]"),

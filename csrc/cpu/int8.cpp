@@ -370,6 +370,19 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
   return y.to(x.scalar_type());
 }
 
+// a = silu(h[:, :I]) * h[:, I:], for the decode path's few rows: as ATen ops
+// (silu, mul, copy) this was ~20 us of dispatch per MoE layer for ~1.5K elements.
+void silu_mul_rows(const at::Tensor& h, const at::Tensor& a) {
+  const int64_t R = a.size(0), I = a.size(1);
+  const float* hp = h.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = hp[r * 2 * I + i];
+      ap[r * I + i] = g / (1.0f + std::exp(-g)) * hp[r * 2 * I + I + i];
+    }
+}
+
 at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& gu_scale_in,
                           const at::Tensor& w_down_in, const at::Tensor& down_scale_in, const at::Tensor& weights_in,
                           const at::Tensor& ids_in, bool w8a8) {
@@ -410,7 +423,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       xd.map.resize(T * k);
       for (int64_t r = 0; r < T * k; ++r) xd.map[r] = pair_of[r] / k;
       expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(), &xd);
-      a.copy_(at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I));
+      silu_mul_rows(h, a);
       const vnni::ActDigits ad = vnni::make_digits(a.data_ptr<float>(), T * k, I, I);
       expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, &ad);
     } else
@@ -421,7 +434,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);
       expert_gemv(offsets, active, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(),
                   nullptr);
-      a.copy_(at::silu(h.narrow(1, 0, I)) * h.narrow(1, I, I));
+      silu_mul_rows(h, a);
       expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, nullptr);
     }
   } else {
@@ -455,16 +468,18 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   // Combine: out[t] = sum_j weights[t,j] * y of pair (t,j), slots in order.
   std::vector<int64_t> row_of(T * k);
   for (int64_t r = 0; r < T * k; ++r) row_of[pair_of[r]] = r;
-  auto out = at::zeros({T, D}, x.options());
+  auto out = at::empty({T, D}, x.options());
   float* op = out.data_ptr<float>();
   const float* wp = weights.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
+    for (int64_t t = t0; t < t1; ++t) {
+      std::fill_n(op + t * D, D, 0.0f);
       for (int64_t j = 0; j < k; ++j) {
         const float wt = wp[t * k + j];
         const float* yr = ys + row_of[t * k + j] * D;
         for (int64_t d = 0; d < D; ++d) op[t * D + d] += wt * yr[d];
       }
+    }
   });
   return out.to(x_in.scalar_type());
 }
