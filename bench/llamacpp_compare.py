@@ -131,7 +131,7 @@ def run_speed(lc, args) -> dict:
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     rows = measure_speed(lc, models, precisions=args.precision, prefill=args.prefill, depths=args.depths,
                          threads=args.threads, steps=args.decode_steps, chunk=args.chunk, engines=args.engine,
-                         compile=args.compile)
+                         compile=args.compile, repeat=args.repeat)
     record = {"started": started, "command": " ".join(["python", "bench/llamacpp_compare.py", *sys.argv[1:]]),
               "preset": args.preset, "threads": args.threads, "torch": torch.__version__,
               "cpu": _cpu_name(), "rows": rows}
@@ -192,13 +192,16 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=2048, help="our prefill chunk")
     ap.add_argument("--compile", action="store_true",
                     help="speed: our decode steps through model.compile_decode() (torch.compile; prefill stays eager)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="speed: measure each point this many times, the engines alternating; the report "
+                         "gives each engine's median (this host's speed swings by up to 1.8x minute to minute)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--flash-attn", type=int, default=0, choices=(-1, 0, 1), help="llama.cpp logits (agreement)")
     ap.add_argument("--llamacpp-home", help="work folder for llama.cpp's source and build (default: "
                     "$GLM5_LLAMACPP_HOME or ~/.cache/glm5-lab/llamacpp)")
     ap.add_argument("--json", help="write the results here (speed default: runs/llamacpp-speed/<time>.json)")
     args = ap.parse_args(argv)
-    for name in ("threads", "decode_steps", "chunk"):
+    for name in ("threads", "decode_steps", "chunk", "repeat"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.preset = args.preset or ("tiny" if args.what == "agreement" else "small")

@@ -7,7 +7,8 @@ table, a plot and the merged rows:
 
 Each ratio pairs the two engines' rows of one run (the speed command measures
 them back to back); a measurement rerun later (decode after a kernel change)
-replaces both sides of its pair.
+replaces both sides of its pair. A run with --repeat measured each point several
+times, the engines alternating: its cells give each engine's median and range.
 """
 from __future__ import annotations
 
@@ -39,11 +40,26 @@ def load_runs(folder: str) -> list[dict]:
 
 
 def latest(rows: list[dict]) -> dict:
-    """(engine, precision, task, n) -> the newest row."""
-    out = {}
-    for r in sorted(rows, key=lambda r: r.get("started", "")):   # a run's own rows carry no start yet
-        out[(r["engine"], r["precision"], r["task"], r["n"])] = r
-    return out
+    """(engine, precision, task, n) -> the newest run's row; where that run repeated the
+    measurement (--repeat), one row whose tok_s is the median of its repeats, with all of
+    them in tok_s_all."""
+    newest = {}
+    for r in rows:      # a run's own rows carry no start yet
+        key = (r["engine"], r["precision"], r["task"], r["n"])
+        if key not in newest or r.get("started", "") > newest[key][0].get("started", ""):
+            newest[key] = [r]
+        elif r.get("started", "") == newest[key][0].get("started", ""):
+            newest[key].append(r)
+    return {key: _median_row(group) for key, group in newest.items()}
+
+
+def _median_row(group: list[dict]) -> dict:
+    if len(group) == 1:
+        return group[0]
+    values = sorted(r["tok_s"] for r in group)
+    mid = len(values) // 2
+    median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    return {**group[0], "tok_s": median, "tok_s_all": [r["tok_s"] for r in group], "reps": len(group)}
 
 
 def speed_table(rows: list[dict]) -> str:
@@ -58,11 +74,18 @@ def speed_table(rows: list[dict]) -> str:
         for p, _ in PAIRS:
             o, l = best.get(("ours", p, task, n)), best.get(("llama.cpp", p, task, n))
             mark = " (compiled)" if o and o.get("compiled") else ""   # model.compile_decode(): --compile
-            cells += [f"{o['tok_s']:.1f}{mark}" if o else "-", f"{l['tok_s']:.1f}" if l else "-",
+            cells += [f"{o['tok_s']:.1f}{mark}{_spread(o)}" if o else "-", f"{l['tok_s']:.1f}{_spread(l)}" if l else "-",
                       f"**{o['tok_s'] / l['tok_s']:.2f}x**" if o and l else "-"]
             dates |= {r["started"][:16] for r in (o, l) if r and "started" in r}
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(sorted(dates))} |")
     return "\n".join(lines)
+
+
+def _spread(row: dict) -> str:
+    """' (median of 5: 126-187)' for a repeated measurement, '' for a single one."""
+    if "tok_s_all" not in row:
+        return ""
+    return f" (median of {row['reps']}: {min(row['tok_s_all']):.0f}-{max(row['tok_s_all']):.0f})"
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -101,6 +101,22 @@ def test_speed_table_marks_compiled_decode_rows():
     assert speed_table(rows).splitlines()[2].startswith("| decode at depth 0 | 60.0 (compiled) | 40.0 | **1.50x** |")
 
 
+def test_repeated_measurements_give_each_engines_median():
+    """--repeat: the newest run's repeats of a point give each engine's median (an older run
+    of the same point does not mix in) and the cell shows their range."""
+    from llamacpp_report import latest, speed_table
+    old = "2026-12-04 09:00:00 UTC"
+    rows = [_row("ours", "fp32", "decode", 0, 10.0, old), _row("llama.cpp", "fp32", "decode", 0, 99.0, old)]
+    rows += [_row("ours", "fp32", "decode", 0, v) for v in (60.0, 50.0, 58.0)]
+    rows += [_row("llama.cpp", "fp32", "decode", 0, v) for v in (40.0, 70.0, 45.0, 30.0)]
+    best = latest(rows)
+    assert best[("ours", "fp32", "decode", 0)]["tok_s"] == 58.0
+    assert best[("llama.cpp", "fp32", "decode", 0)]["tok_s"] == 42.5          # even count: the middle two
+    assert best[("llama.cpp", "fp32", "decode", 0)]["reps"] == 4
+    line = speed_table(rows).splitlines()[2]
+    assert line.startswith("| decode at depth 0 | 58.0 (median of 3: 50-60) | 42.5 (median of 4: 30-70) | **1.36x** |")
+
+
 def test_results_block_is_replaced_between_its_markers():
     from llamacpp_report import BEGIN, END, replace_block
     text = f"intro\n{BEGIN}\nold table\n{END}\nafter\n"
@@ -128,6 +144,9 @@ def test_speed_arguments_are_checked(capsys):
     with pytest.raises(SystemExit):
         llamacpp_compare.main(["speed", "--decode-steps", "0"])
     assert "--decode-steps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        llamacpp_compare.main(["speed", "--repeat", "0"])
+    assert "--repeat must be >= 1" in capsys.readouterr().err
 
 
 def test_int8_head_is_the_default_skip_list_less_the_lm_head():

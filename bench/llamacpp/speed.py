@@ -124,23 +124,29 @@ ENGINES = ("llama.cpp", "ours")
 
 
 def run_speed(lc: LlamaCpp, models: dict, *, precisions, prefill, depths, threads: int, steps: int,
-              chunk: int, engines=ENGINES, compile: bool = False) -> list[dict]:
-    """Rows {engine, precision, task, n, tok_s, ...}: for each (precision, task, n),
-    llama.cpp then ours, back to back. engines: both (the default), or one, for sizes where
-    one engine alone fills a quiet run (llama.cpp at 16,384 tokens: about 8 minutes).
+              chunk: int, engines=ENGINES, compile: bool = False, repeat: int = 1) -> list[dict]:
+    """Rows {engine, precision, task, n, tok_s, rep, ...}: for each (precision, task, n),
+    llama.cpp then ours, back to back, `repeat` times over (the engines alternate, so a slow
+    minute of this shared host falls on both; the report takes each engine's median).
+    engines: both (the default), or one, for sizes where one engine alone fills a quiet run
+    (llama.cpp at 16,384 tokens: about 8 minutes).
     compile: our decode steps through model.compile_decode() (prefill stays eager)."""
     if not engines or any(e not in ENGINES for e in engines):
         raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {engines!r}")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}")
     rows, t_start = [], time.time()
-    plan = [(p, "prefill", n) for p in precisions for n in prefill] + \
-           [(p, "decode", n) for p in precisions for n in depths]
-    for i, (precision, task, n) in enumerate(plan):
+    plan = [(p, "prefill", n, r) for p in precisions for n in prefill for r in range(repeat)] + \
+           [(p, "decode", n, r) for p in precisions for n in depths for r in range(repeat)]
+    for i, (precision, task, n, rep) in enumerate(plan):
         print(f"[speed] ({i + 1}/{len(plan)}, {time.time() - t_start:.0f} s in) {task} "
-              f"{'at depth ' if task == 'decode' else ''}{n}, {precision}", flush=True)
+              f"{'at depth ' if task == 'decode' else ''}{n}, {precision}"
+              f"{f', repeat {rep + 1}/{repeat}' if repeat > 1 else ''}", flush=True)
         if "llama.cpp" in engines:
             cmd = llama_bench_cmd(lc, models[precision], task, n, threads, steps)
             rec = run_llama_bench(lc, cmd)
             rows.append({"engine": "llama.cpp", "precision": precision, "task": task, "n": n, "tok_s": rec["avg_ts"],
+                         "rep": rep,
                          "type": LLAMA_LABEL[precision],
                          "command": " ".join(cmd[1:]).replace(models[precision], "GGUF"),
                          "flash_attn": rec.get("flash_attn"), "type_k": rec.get("type_k"),
@@ -149,6 +155,6 @@ def run_speed(lc: LlamaCpp, models: dict, *, precisions, prefill, depths, thread
         if "ours" in engines:
             r = run_ours(models["ckpt" if precision == "fp32" else f"ckpt_{precision}"], precision, task, n, steps, chunk,
                          threads, compile)
-            rows.append({**r, "chunk": chunk})
+            rows.append({**r, "chunk": chunk, "rep": rep})
             print(f"[speed]   ours {precision}: {r['tok_s']:.2f} tok/s", flush=True)
     return rows
