@@ -18,11 +18,9 @@ composite bit for bit; RMSNorm's differs in the order of the sum of squares
 Like linear(), the kernel runs only for plain CPU tensors (no subclass such
 as DTensor), none requiring grad while autograd records, on the "cpp"
 backend; everything else (training, FSDP/TP, CUDA) runs the composite.
-Under torch.compile the composite is traced too: inductor fuses it with its
-neighbours into a kernel of its own, so the dispatches the C++ kernel saves
-are gone anyway, while an opaque op would cost its Python call in the
-compiled wrapper (~6 us each; 0.33 ms of a 7 ms compiled int8 decode step
-of `small`, bench/RESULTS.md "Compiled decode: fewer opaque calls").
+Under torch.compile the kernel stays an opaque op: tracing the composite
+instead, for inductor to fuse, measured no faster in a compiled decode step
+(bench/RESULTS.md, "Compiled decode, 2026-12-06").
 """
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ from ._backend import _C, cpp_ops, cpu_inference_kernel_applies, register_op
 
 def takes_kernel(*tensors) -> bool:
     """Whether rms_norm / rope given these tensors run the C++ kernel (see the module docstring)."""
-    return not torch.compiler.is_compiling() and cpu_inference_kernel_applies(*tensors)
+    return cpu_inference_kernel_applies(*tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
