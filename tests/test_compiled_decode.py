@@ -102,3 +102,13 @@ def test_two_compiled_models_in_one_process_each_get_their_own_graph():
         m.compile_decode()
     for m, expect in zip((fp32, int8), eager):
         torch.testing.assert_close(_decode(m, prompt, 3)[1], expect, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_options_add_the_cpp_wrapper_on_the_cpu_only():
+    from models.glm5.model import decode_compile_options
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert decode_compile_options({}, cpu) == {"options": {"cpp_wrapper": True}}
+    assert decode_compile_options({"mode": "default", "options": {"max_autotune": False}}, cpu) == \
+        {"mode": "default", "options": {"cpp_wrapper": True, "max_autotune": False}}
+    assert decode_compile_options({"options": {"cpp_wrapper": False}}, cpu) == {"options": {"cpp_wrapper": False}}
+    assert decode_compile_options({}, cuda) == {}

@@ -329,10 +329,12 @@ class GLM5ForCausalLM(nn.Module):
         the context length first changes, which makes it dynamic, and when it passes
         index_topk). MLA's weights derived from kv_b_proj are built now: after
         changing the weights, call compile_decode() again. Prefill, MTP and the
-        serving engine's packed steps stay eager. Returns the model."""
+        serving engine's packed steps stay eager. On the CPU the graph's wrapper is
+        C++ (inductor's cpp_wrapper) unless options say otherwise. Returns the model."""
         for layer in list(self.model.layers) + [mtp.layer for mtp in self.model.mtp]:
             layer.self_attn.build_derived_weights()
-        self._decode_layers = torch.compile(self._layers, **options)
+        device = self.model.embed_tokens.weight.device
+        self._decode_layers = torch.compile(self._layers, **decode_compile_options(options, device))
         return self
 
     def _layers(self, input_ids, positions, segments):
@@ -423,3 +425,15 @@ def count_parameters(model: nn.Module) -> int:
             n += p.numel()
     return n
 
+
+def decode_compile_options(options: dict, device: torch.device) -> dict:
+    """torch.compile's arguments for compile_decode(): the caller's, plus, on the CPU,
+    inductor's C++ wrapper. A decode step calls ~120 opaque ops (gemv, int8_linear,
+    attention, MoE); from the Python wrapper each call goes through OpOverload.__call__,
+    from the C++ one straight to the dispatcher: 0.2-0.5 ms less of a 6-7 ms int8
+    `small` step (24/25 and 21/25 interleaved blocks faster, bench/RESULTS.md "Compiled
+    decode, 2026-12-06"), for ~3 s more compiling per graph. A caller's own
+    options["cpp_wrapper"] wins."""
+    if device.type != "cpu" or "cpp_wrapper" in options.get("options", {}):
+        return options
+    return {**options, "options": {"cpp_wrapper": True, **options.get("options", {})}}
