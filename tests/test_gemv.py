@@ -25,8 +25,10 @@ def _tol(dtype, K):
     return dict(rtol=1e-2, atol=1e-2)   # one rounding of the bf16 output
 
 
-# K: below, at and past the 16/32-wide steps and their masked tails; N: past the 8-row tiles.
+# K: below, at and past the 16/32-wide steps and their masked tails; N: past the 8-row tiles;
+# (1, 700, 19): one fp32 row against 2.7 KiB weight rows, read a row at a time (kOneRowMaxRowBytes).
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (1, 33, 9), (2, 64, 17), (3, 31, 8), (4, 100, 23), (5, 257, 40),
+                                   (1, 700, 19),
                                    (16, 48, 7), (17, 16, 12), (2, 0, 5), (0, 8, 3)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])

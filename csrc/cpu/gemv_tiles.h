@@ -41,6 +41,13 @@ using bf16_bits = uint16_t;   // bf16 as stored: the high half of an fp32
 // extra prefetches measured a few % slower there (noisy shared host).
 constexpr int64_t kPrefetchMaxRowBytes = 2048;
 constexpr int64_t kPrefetchMinBytes = 8192;   // 8 KiB ahead measured best of 1 tile, 8, 16 and 32 KiB
+// One fp32 activation row against weight rows longer than kPrefetchMaxRowBytes and at most
+// this long (K = 513..1024: the LM head, the dense MLP's gate/up, most projections): rows are
+// read one after another, one sequential stream per thread, not 8 side by side. In one process
+// alternating the two (2 threads, weights cycled through 600 MB): 1024 x 1024 27.3 -> 30.4 GB/s,
+// 5632 x 1024 24.8 -> 28.1, 32000 x 1024 25.8 -> 28.0 (14, 14 and 11 of 15 blocks faster); at
+// 1024 x 2816 (11 KiB rows) 29.3 -> 25.8, so longer rows keep the 8-row tiles.
+constexpr int64_t kOneRowMaxRowBytes = 4096;
 
 inline int64_t split_len(int64_t K) { return (K + 31) / 32 * 32; }
 
@@ -214,13 +221,17 @@ inline void tile_any(int nb, int mb, const float* const* x, const W* const* w, i
 // for m < M, n in [n0, n1). w [N, K] contiguous rows (fp32, int8, or bf16 bits
 // with x in split_pairs layout, row stride ldx = split_len(K)); x fp32 [M, ldx].
 // One or two activation rows (decode): 8 weight rows per tile, 8 streams and
-// 8-16 independent chains. More rows: 4 x 4 tiles (fewer loads per FMA), the
+// 8-16 independent chains (one fp32 row against 2-4 KiB weight rows: one weight row
+// at a time, see kOneRowMaxRowBytes). More rows: 4 x 4 tiles (fewer loads per FMA), the
 // 4 weight rows staying in L1/L2 while each block of 4 activation rows reuses them.
 template <typename W>
 void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
           int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const bool wide = M <= 2;
-  const int NB = wide ? 8 : 4, MBmax = wide ? 2 : 4;
+  const int64_t row_bytes = K * int64_t(sizeof(W));
+  const bool one_row = std::is_same_v<W, float> && M == 1 && row_bytes > kPrefetchMaxRowBytes &&
+                       row_bytes <= kOneRowMaxRowBytes;   // same single chain per (m, n): same bits
+  const int NB = one_row ? 1 : wide ? 8 : 4, MBmax = wide ? 2 : 4;
   float out[8][4];
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = n1 - n < NB ? int(n1 - n) : NB;
