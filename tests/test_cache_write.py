@@ -33,6 +33,10 @@ def test_strided_values_and_empty_slots(backend):
     before = pool.clone()
     glm5_ops.cache_write(pool, torch.empty(0, dtype=torch.long, device=DEVICE), fresh(0, 8))
     torch.testing.assert_close(pool, before, rtol=0, atol=0)
+    glm5_ops.cache_write(fresh(5, 0), torch.tensor([4, 0], device=DEVICE), fresh(2, 0))   # rows of no elements
+    if DEVICE == "cpu":      # their slots are still checked (on a GPU: index_copy_'s device assert)
+        with pytest.raises(ValueError, match="slots must hold rows of pool"):
+            glm5_ops.cache_write(fresh(5, 0), torch.tensor([5], device=DEVICE), fresh(1, 0))
 
 
 def test_row_strided_pool_and_values_and_strided_slots(backend):

@@ -40,6 +40,7 @@ void cache_write_op(at::Tensor pool, const at::Tensor& slots, const at::Tensor& 
                         pool.size(0), "), got ", s[i * stride], " at [", i, "]");
     }
   }
+  if (pool.size(1) == 0) return;   // rows of no elements: nothing to store (their data may be null)
   if (pool.is_cpu() && pool.stride(1) == 1 && values.stride(1) == 1) {
     // Rows copied straight: a decode step writes one row per layer and cache, where
     // index_copy_'s TensorIterator setup (~8 us) is most of the op's time.
