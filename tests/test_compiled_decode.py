@@ -13,6 +13,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and not torch._C._
                                 reason="no inductor backend")
 
 
+# Tests about what a compiled step reads, not about its wrapper, compile with the Python
+# wrapper: the C++ one (compile_decode's CPU default, test_compiled_decode_matches_eager)
+# costs its own C++ compile per graph (~25 s more for these two tests on a cold cache).
+PY_WRAPPER = {"cpp_wrapper": False}
+
+
 def _decode(model, prompt, steps):
     cache = model.new_cache(1, prompt.shape[1] + steps)
     with torch.inference_mode():
@@ -73,7 +79,7 @@ def test_compiled_decode_reads_the_weights_of_each_step():
     model = GLM5ForCausalLM(preset("tiny")).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, 9))
     torch._dynamo.reset()
-    model.compile_decode()
+    model.compile_decode(options=PY_WRAPPER)
     _, before, _ = _decode(model, prompt, 3)       # compiled, at these weights
     with torch.no_grad():
         model.model.layers[1].self_attn.q_a_proj.weight.mul_(-1.5)
@@ -99,7 +105,7 @@ def test_two_compiled_models_in_one_process_each_get_their_own_graph():
     eager = [_decode(m, prompt, 3)[1] for m in (fp32, int8)]
     torch._dynamo.reset()
     for m in (fp32, int8):
-        m.compile_decode()
+        m.compile_decode(options=PY_WRAPPER)
     for m, expect in zip((fp32, int8), eager):
         torch.testing.assert_close(_decode(m, prompt, 3)[1], expect, rtol=1e-5, atol=1e-5)
 
