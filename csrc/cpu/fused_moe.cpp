@@ -51,6 +51,7 @@
 #include "checks.h"
 #include "cpu/gemv_tiles.h"
 #include "cpu/parallel.h"
+#include "cpu/swiglu.h"
 #include "cpu/workspace.h"
 
 namespace glm5 {
@@ -318,7 +319,6 @@ void fwd_kernel(const Plan& p, const Shapes& sh, const scalar_t* xp, const scala
   // Uninitialised: every row is written by exactly one item.
   const Workspace y_buf(p.N * D * sizeof(acc_t));
   acc_t* const y_sorted = y_buf.as<acc_t>();
-  using Vec = at::vec::Vectorized<acc_t>;
   int64_t experts_used = 0;
   for (int64_t e = 0; e < p.E; ++e) experts_used += p.rows(e) > 0;
   const bool serial = 6 * p.N * D * I < kSerialFlops && experts_used * 3 * I * D * int64_t(sizeof(scalar_t)) < kSerialBytes;
@@ -339,8 +339,7 @@ void fwd_kernel(const Plan& p, const Shapes& sh, const scalar_t* xp, const scala
       gemm<acc_t>(false, true, n, 2 * I, D, s.xs.data(), D, gu, D, acc_t(0), s.h.data(), 2 * I);
     for (int64_t i = 0; i < n; ++i) {
       const acc_t* h = s.h.data() + i * 2 * I;
-      at::vec::map2<acc_t>([](Vec g, Vec u) { return g * (Vec(acc_t(1)) + g.neg().exp()).reciprocal() * u; },
-                           s.a.data() + i * I, h, h + I, I);
+      swiglu<acc_t>(h, h + I, s.a.data() + i * I, I);
     }
     if (small)
       gemm_nt_few<acc_t>(n, D, I, s.a.data(), I, dn, y_sorted + item.r0 * D, D);
