@@ -16,6 +16,7 @@ import torch
 
 import glm5_ops
 from models.glm5 import GLM5Config, GLM5ForCausalLM, preset
+from models.glm5.cache import CacheView
 from models.glm5.generate import generate, speculative_generate
 
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers (the hf extra: pip install -e .[hf])")
@@ -250,6 +251,25 @@ def test_decode_through_paged_cache_equals_full_forward(attn):
     assert not torch.equal(cache.block_table[0], torch.arange(cache.pages_per_seq))
     fraction, worst = _agreement(torch.cat(steps, 1), full)
     assert fraction >= PARITY_FRACTION, f"{attn}: worst {worst:.2e}"
+
+
+@pytest.mark.parametrize("batch,page_size", [(1, 8), (1, 5), (2, 8), (3, 4)])
+def test_paged_cache_views_equal_views_from_the_block_table(batch, page_size):
+    """PagedCache.begin builds its views from tables it updates as pages are allocated
+    (CacheView.in_lock_step); the serving engine builds them from a block table
+    (CacheView.__init__). Every field must agree, through page boundaries, for any
+    batch (pages of several sequences interleave) and any chunk length."""
+    config = _tiny()
+    cache = GLM5ForCausalLM(config).eval().new_cache(batch, 64, page_size=page_size)
+    for S in (13, 1, 1, 3, 1, 7, 1, 30):
+        view = cache.begin(batch, S)
+        ref = CacheView(cache.pool, cache.block_table, cache.length, S)
+        for field in ("every", "new", "_lut"):
+            got, want = getattr(view, field), getattr(ref, field)
+            assert got.dtype == want.dtype and torch.equal(got, want), f"{field} at start {cache.length}, S={S}"
+        assert view._identity == ref._identity == (batch == 1)
+        assert (view.start, view.S) == (ref.start, ref.S)
+        cache.commit(S)
 
 
 def test_dsa_prompt_within_index_topk_runs_dense_attention():
