@@ -95,8 +95,10 @@ def test_compiled_decode_reads_the_weights_of_each_step():
 
 def test_two_compiled_models_in_one_process_each_get_their_own_graph():
     """Models of different structure (fp32 and int8 layers) compiled in one process: each
-    step runs its own model's graph. (Dropping Dynamo's guards on module attributes, tried
-    to save their 0.7 ms a step, let the second model reuse the first's graph.)"""
+    step runs its own model's graph. The compiled step has no guards on module attributes
+    (decode_compile.py): what keeps the int8 model off the fp32 graph is that each
+    compile_decode() compiles its own copy of the code (with one shared code object, the
+    second model reused the first's graph)."""
     from models.glm5 import quantize
     torch.manual_seed(3)
     fp32 = GLM5ForCausalLM(preset("tiny")).eval()
@@ -110,11 +112,33 @@ def test_two_compiled_models_in_one_process_each_get_their_own_graph():
         torch.testing.assert_close(_decode(m, prompt, 3)[1], expect, rtol=1e-5, atol=1e-5)
 
 
-def test_compile_options_add_the_cpp_wrapper_on_the_cpu_only():
-    from models.glm5.model import decode_compile_options
+def test_compile_decode_again_after_quantizing_runs_the_new_structure():
+    """A model compiled, then quantised in place and compiled again: its steps run a graph
+    traced for the int8 layers (the first graph, found again without module guards, would
+    feed int8 weights to the fp32 path), and equal the eager int8 steps."""
+    from models.glm5 import quantize
+    torch.manual_seed(4)
+    model = GLM5ForCausalLM(preset("tiny")).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 7))
+    torch._dynamo.reset()
+    model.compile_decode(options=PY_WRAPPER)
+    _decode(model, prompt, 2)
+    quantize(model, "int8_weight_only")
+    model._decode_layers = None
+    _, eager, _ = _decode(model, prompt, 3)
+    model.compile_decode(options=PY_WRAPPER)
+    _, compiled, _ = _decode(model, prompt, 3)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_options_drop_module_guards_and_add_the_cpp_wrapper_on_the_cpu():
+    from models.glm5.decode_compile import decode_compile_options
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert decode_compile_options({}, cpu) == {"options": {"cpp_wrapper": True}}
+    skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    assert decode_compile_options({}, cpu) == {"options": {"guard_filter_fn": skip, "cpp_wrapper": True}}
     assert decode_compile_options({"mode": "default", "options": {"max_autotune": False}}, cpu) == \
-        {"mode": "default", "options": {"cpp_wrapper": True, "max_autotune": False}}
-    assert decode_compile_options({"options": {"cpp_wrapper": False}}, cpu) == {"options": {"cpp_wrapper": False}}
-    assert decode_compile_options({}, cuda) == {}
+        {"mode": "default", "options": {"guard_filter_fn": skip, "cpp_wrapper": True, "max_autotune": False}}
+    assert decode_compile_options({"options": {"cpp_wrapper": False}}, cpu) == \
+        {"options": {"guard_filter_fn": skip, "cpp_wrapper": False}}
+    assert decode_compile_options({}, cuda) == {"options": {"guard_filter_fn": skip}}
+    assert decode_compile_options({"options": {"guard_filter_fn": None}}, cuda) == {"options": {"guard_filter_fn": None}}

@@ -36,6 +36,7 @@ from glm5_ops.nvtx import nvtx_range
 from .cache import CacheView
 from .attention_modes import DEFAULT_ATTENTION, AttentionMode, attention_mode
 from .config import GLM5Config
+from .decode_compile import compile_layers
 from .layers import MLP, Linear, RMSNorm, rope_cos_sin
 from .mla import MLAttention
 from .moe import MoE, Experts, Router
@@ -329,12 +330,14 @@ class GLM5ForCausalLM(nn.Module):
         the context length first changes, which makes it dynamic, and when it passes
         index_topk). MLA's weights derived from kv_b_proj are built now: after
         changing the weights, call compile_decode() again. Prefill, MTP and the
-        serving engine's packed steps stay eager. On the CPU the graph's wrapper is
-        C++ (inductor's cpp_wrapper) unless options say otherwise. Returns the model."""
+        serving engine's packed steps stay eager. The step is specialised to the
+        model as it is now (Dynamo's guards on its modules are dropped: ~0.6 ms a
+        step): after changing its structure (quantize, attention mode, `record`),
+        call compile_decode() again; weights changed in place are read at each step
+        (decode_compile.py says why and how). Returns the model."""
         for layer in list(self.model.layers) + [mtp.layer for mtp in self.model.mtp]:
             layer.self_attn.build_derived_weights()
-        device = self.model.embed_tokens.weight.device
-        self._decode_layers = torch.compile(self._layers, **decode_compile_options(options, device))
+        self._decode_layers = compile_layers(self, options)
         return self
 
     def _layers(self, input_ids, positions, segments):
@@ -424,16 +427,3 @@ def count_parameters(model: nn.Module) -> int:
             seen.add(id(p))
             n += p.numel()
     return n
-
-
-def decode_compile_options(options: dict, device: torch.device) -> dict:
-    """torch.compile's arguments for compile_decode(): the caller's, plus, on the CPU,
-    inductor's C++ wrapper. A decode step calls ~120 opaque ops (gemv, int8_linear,
-    attention, MoE); from the Python wrapper each call goes through OpOverload.__call__,
-    from the C++ one straight to the dispatcher: 0.2-0.5 ms less of a 6-7 ms int8
-    `small` step (24/25 and 21/25 interleaved blocks faster, bench/RESULTS.md "Compiled
-    decode, 2026-12-06"), for ~3 s more compiling per graph. A caller's own
-    options["cpp_wrapper"] wins."""
-    if device.type != "cpu" or "cpp_wrapper" in options.get("options", {}):
-        return options
-    return {**options, "options": {"cpp_wrapper": True, **options.get("options", {})}}
