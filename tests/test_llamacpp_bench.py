@@ -166,3 +166,19 @@ def test_speed_table_has_the_int8_head_pair():
     lines = speed_table(rows).splitlines()
     assert "ours int8, LM head int8" in lines[0]
     assert lines[2].startswith("| decode at depth 0 | - | - | - | - | - | - | 90.0 | 60.0 | **1.50x** |")
+
+
+def test_our_decode_measurement_runs_llama_benchs_loop(tmp_path):
+    """ours_speed's decode: the depth prefilled untimed, then one-token forwards fed
+    random tokens (llama-bench's tg loop: no sampling), on a saved int8 model."""
+    import torch
+
+    from llamacpp import ours_speed
+    from llamacpp.speed import int8_skip
+    from models.glm5 import GLM5ForCausalLM, preset, quantize, save_quantized
+    torch.manual_seed(0)
+    save_quantized(quantize(GLM5ForCausalLM(preset("tiny")).eval(), "int8_weight_only", skip=int8_skip("int8")),
+                   str(tmp_path))
+    r = ours_speed.measure(str(tmp_path), "int8", "decode", 5, 3, 16)
+    assert (r["engine"], r["task"], r["steps"], r["depth_filled"], r["compiled"]) == ("ours", "decode", 3, 5, False)
+    assert r["tok_s"] > 0

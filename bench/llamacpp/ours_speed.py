@@ -52,11 +52,14 @@ def _tokens(n: int, vocab: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _decode(model, cache, logits, steps: int) -> float:
-    nxt = logits.argmax(-1).view(1, 1)
+def _decode(model, cache, steps: int, seed: int) -> float:
+    """Seconds for `steps` one-token forwards (each computes the logits), fed random
+    tokens drawn beforehand: llama-bench's tg loop (llama_decode, then the next token
+    from rand(), no sampling; an argmax over the 32K logits was ~0.1 ms a step here)."""
+    tokens = _tokens(steps, model.config.vocab_size, seed=seed)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        nxt = model(nxt, cache)[:, -1].argmax(-1).view(1, 1)
+    for i in range(steps):
+        model(tokens[:, i:i + 1], cache)
     return time.perf_counter() - t0
 
 
@@ -76,15 +79,15 @@ def measure(ckpt: str, precision: str, task: str, n: int, steps: int, chunk: int
 def _run(model, precision: str, task: str, n: int, steps: int, chunk: int, compile: bool) -> dict:
     vocab = model.config.vocab_size
     cache = model.new_cache(1, WARMUP_TOKENS + 3)
-    logits, _ = model.prefill(_tokens(WARMUP_TOKENS, vocab, seed=2), cache, chunk=chunk)
-    _decode(model, cache, logits, 2)
+    model.prefill(_tokens(WARMUP_TOKENS, vocab, seed=2), cache, chunk=chunk)
+    _decode(model, cache, 2, seed=3)
     del cache
     fill = max(n, 1)
     warm = COMPILE_WARMUP if compile and task == "decode" else 0
     cache = model.new_cache(1, fill + warm + steps + 1)
     _log(f"{task}: prefill {fill} tokens" + (" (the depth, untimed)" if task == "decode" else ""))
     t0 = time.perf_counter()
-    logits, _ = model.prefill(_tokens(fill, vocab), cache, chunk=chunk)
+    model.prefill(_tokens(fill, vocab), cache, chunk=chunk)
     prefill_s = time.perf_counter() - t0
     result = {"engine": "ours", "precision": precision, "task": task, "n": n, "prefill_s": prefill_s,
               "compiled": bool(warm)}
@@ -94,13 +97,10 @@ def _run(model, precision: str, task: str, n: int, steps: int, chunk: int, compi
         if warm:
             model.compile_decode()
             t0 = time.perf_counter()
-            nxt = logits.argmax(-1).view(1, 1)
-            for _ in range(warm):
-                logits = model(nxt, cache)[:, -1]
-                nxt = logits.argmax(-1).view(1, 1)
+            _decode(model, cache, warm, seed=4)
             _log(f"decode compiled in {warm} untimed steps, {time.perf_counter() - t0:.1f} s")
         _log(f"decode: {steps} steps at depth {fill + warm} (prefill took {prefill_s:.1f} s)")
-        result.update(steps=steps, depth_filled=fill, tok_s=steps / _decode(model, cache, logits, steps))
+        result.update(steps=steps, depth_filled=fill, tok_s=steps / _decode(model, cache, steps, seed=5))
     return result
 
 
