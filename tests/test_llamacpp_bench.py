@@ -182,3 +182,22 @@ def test_our_decode_measurement_runs_llama_benchs_loop(tmp_path):
     r = ours_speed.measure(str(tmp_path), "int8", "decode", 5, 3, 16)
     assert (r["engine"], r["task"], r["steps"], r["depth_filled"], r["compiled"]) == ("ours", "decode", 3, 5, False)
     assert r["tok_s"] > 0
+
+
+def test_timed_decode_feeds_tensors_a_compiled_step_takes_without_recompiling():
+    """Dynamo guards on input_ids' strides: a slice of one long token tensor has stride
+    (steps, 1), which differs from the warm-up's and recompiled inside the timed loop
+    (20 tok/s where the compiled step runs 150). Every step must get a fresh [1, 1]."""
+    from types import SimpleNamespace
+
+    from llamacpp import ours_speed
+    seen = []
+
+    class Model:
+        config = SimpleNamespace(vocab_size=100)
+
+        def __call__(self, x, cache):
+            seen.append((tuple(x.shape), x.stride()))
+
+    ours_speed._decode(Model(), None, 5, seed=0)
+    assert seen == [((1, 1), (1, 1))] * 5

@@ -57,9 +57,13 @@ def _decode(model, cache, steps: int, seed: int) -> float:
     tokens drawn beforehand: llama-bench's tg loop (llama_decode, then the next token
     from rand(), no sampling; an argmax over the 32K logits was ~0.1 ms a step here)."""
     tokens = _tokens(steps, model.config.vocab_size, seed=seed)
+    # a fresh [1, 1] tensor a step, strides (1, 1) as a sampler's: a slice of `tokens` keeps
+    # its row stride (= steps, even through clone()), and Dynamo guards on it, so the
+    # compiled step would recompile inside the timed loop
+    ids = [torch.tensor([[t]]) for t in tokens[0].tolist()]
     t0 = time.perf_counter()
-    for i in range(steps):
-        model(tokens[:, i:i + 1], cache)
+    for x in ids:
+        model(x, cache)
     return time.perf_counter() - t0
 
 
