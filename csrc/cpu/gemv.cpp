@@ -26,9 +26,6 @@ namespace glm5 {
 namespace cpu {
 namespace {
 
-constexpr int64_t kTileRows = 8;                  // weight rows per tile (gemv_tiles.h's widest)
-constexpr int64_t kMinBytesPerThread = 1 << 16;   // below this a second thread costs more than it reads
-
 void check_args(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   if (x.dim() == 3) {
     TORCH_CHECK_VALUE(w.dim() == 3 && w.size(0) == x.size(0) && w.size(2) == x.size(2), "w must have shape [H=",
@@ -51,25 +48,6 @@ void check_args(const at::Tensor& x, const at::Tensor& w, const c10::optional<at
   }
 }
 
-// H heads (1 without heads): head h's x rows at x + h*M*ldx, its weight rows
-// at w + h*ws (contiguous within the head), its y at y + h*M*N. The flat list
-// of (head, row tile) items is split in contiguous ranges between the threads.
-template <typename W>
-void run(const float* x, int64_t ldx, int64_t H, int64_t M, int64_t K, const W* w, int64_t ws, const float* bias,
-         int64_t N, float* y) {
-  const int64_t per_head = (N + kTileRows - 1) / kTileRows;
-  const int64_t tile_bytes = kTileRows * std::max<int64_t>(K, 1) * int64_t(sizeof(W));
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
-  at::parallel_for(0, H * per_head, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1;) {
-      const int64_t h = t / per_head, end = std::min(t1, (h + 1) * per_head);
-      gemv::rows<W>(x + h * M * ldx, ldx, M, K, w + h * ws, nullptr, bias, (t - h * per_head) * kTileRows,
-                    std::min(N, (end - h * per_head) * kTileRows), y + h * M * N, N);
-      t = end;
-    }
-  });
-}
-
 at::Tensor gemv_op(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias_in) {
   check_args(x_in, w_in, bias_in);
   const bool heads = x_in.dim() == 3;
@@ -86,13 +64,13 @@ at::Tensor gemv_op(const at::Tensor& x_in, const at::Tensor& w_in, const c10::op
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     if (w.scalar_type() == at::kFloat) {
       const at::Tensor x = x_in.contiguous();
-      run<float>(x.data_ptr<float>(), K, H, M, K, w.data_ptr<float>(), ws, bp, N, y.data_ptr<float>());
+      gemv::rows_parallel<float>(x.data_ptr<float>(), K, H, M, K, w.data_ptr<float>(), ws, bp, N, y.data_ptr<float>());
     } else {
       const at::Tensor xf = x_in.to(at::kFloat).contiguous();
       const int64_t ldx = gemv::split_len(K);
       std::vector<float> xs(size_t(H * M * ldx));
       for (int64_t m = 0; m < H * M; ++m) gemv::split_pairs(xf.data_ptr<float>() + m * K, K, xs.data() + m * ldx);
-      run<gemv::bf16_bits>(xs.data(), ldx, H, M, K, reinterpret_cast<const gemv::bf16_bits*>(w.data_ptr()), ws, bp,
+      gemv::rows_parallel<gemv::bf16_bits>(xs.data(), ldx, H, M, K, reinterpret_cast<const gemv::bf16_bits*>(w.data_ptr()), ws, bp,
                            N, y.data_ptr<float>());
     }
   }

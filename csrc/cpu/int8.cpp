@@ -64,8 +64,8 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kGemvRows = 16;                 // at most this many activation rows take the GEMV path
-constexpr int64_t kTileRows = 8;                  // weight rows per tile (gemv_tiles.h's widest)
-constexpr int64_t kMinBytesPerThread = 1 << 16;   // below this a second thread costs more than it reads
+constexpr int64_t kTileRows = gemv::kParallelTileRows;
+using gemv::kMinBytesPerThread;
 
 // y[M,N] fp32 = x[M,K] fp32 @ (w * scale)^T + bias: each thread streams its own
 // contiguous range of weight rows (gemv_tiles.h; a row's result does not depend on M).

@@ -1,7 +1,8 @@
 // Mixture-of-Experts routing, dispatch and combine on the CPU.
 //
-// moe_route    one sgemm for the router logits (h @ gate_w^T in fp32), then one
-//              pass per token (blocks of tokens in parallel): sigmoid, +bias for the
+// moe_route    the router logits h @ gate_w^T in fp32 (one sgemm; GEMV tiles for a
+//              decode step's few tokens), then one pass per token (blocks of
+//              tokens in parallel): sigmoid, +bias for the
 //              choice, group scores (sum of the top-2 per group), keep the
 //              topk_group best groups, pick top_k experts by insertion into a
 //              k-long sorted list (k <= a dozen: no sort of the E scores),
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/gemv_tiles.h"
 #include "cpu/parallel.h"
 
 namespace glm5 {
@@ -77,6 +79,23 @@ struct RouteScratch {
 
 }  // namespace
 
+// h @ gate_w^T in fp32 [T, E]. A decode step's few tokens stream gate_w through the
+// GEMV tiles on both threads (csrc/cpu/gemv_tiles.h): MKL's single-threaded sgemv took
+// ~30 us for the small preset's 256 KB router, ~10 GB/s, in each of its 6 MoE layers.
+namespace {
+at::Tensor router_logits(const at::Tensor& h, const at::Tensor& gate_w) {
+  constexpr int64_t kGemvTokens = 16;   // int8.cpp's kGemvRows: above it a GEMM reuses each weight row
+  const int64_t T = h.size(0), D = h.size(1), E = gate_w.size(0);
+  if (T > kGemvTokens || h.scalar_type() != at::kFloat || gate_w.scalar_type() != at::kFloat)
+    return at::mm(h.to(at::kFloat), gate_w.to(at::kFloat).t()).contiguous();
+  const at::Tensor x = h.contiguous(), w = gate_w.contiguous();
+  at::Tensor logits = at::empty({T, E}, x.options());
+  gemv::rows_parallel<float>(x.data_ptr<float>(), D, 1, T, D, w.data_ptr<float>(), 0, nullptr, E,
+                             logits.data_ptr<float>());
+  return logits;
+}
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tensor& gate_w, const at::Tensor& bias,
                                              int64_t top_k, int64_t n_group, int64_t topk_group,
                                              double routed_scaling_factor, bool norm_topk_prob) {
@@ -91,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
   // one sgemm over all tokens. (Measured: an sgemm per block of 64-256 tokens
   // inside the selection loop, logits still in cache, was slower at D=1024
   // and D=6144: each block re-reads gate_w.)
-  const at::Tensor logits = at::mm(h.to(at::kFloat), gate_w.to(at::kFloat).t()).contiguous();
+  const at::Tensor logits = router_logits(h, gate_w);
   const at::Tensor b32 = bias.to(at::kFloat).contiguous();
   const float* lg = logits.const_data_ptr<float>();
   const float* bp = b32.const_data_ptr<float>();
