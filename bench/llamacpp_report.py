@@ -3,6 +3,8 @@
 table, a plot and the merged rows:
 
     python bench/llamacpp_report.py                   # newest row per measurement wins
+    (the rows published last, figures/llamacpp_speed.json, count as runs too: a fresh
+    clone has no runs/ folder)
     python bench/llamacpp_report.py --runs DIR --no-results   # print only
 
 Each ratio pairs the two engines' rows of one run (the speed command measures
@@ -37,6 +39,19 @@ def load_runs(folder: str) -> list[dict]:
         rows += [{**r, "started": run["started"], "run_command": run["command"], "cpu": run.get("cpu", "")}
                  for r in run["rows"]]
     return rows
+
+
+def load_published(path: str, runs: list[dict]) -> list[dict]:
+    """The rows the last report published (figures/llamacpp_speed.json: each measurement's
+    newest row, repeats already reduced to their median), less those of runs still in the
+    runs folder. A fresh clone has no runs/, so without these a report from one new run
+    would drop every other measurement from the table and the plot."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        published = json.load(f)
+    have = {r["started"] for r in runs}
+    return [r for r in published if r.get("started") not in have]
 
 
 def latest(rows: list[dict]) -> dict:
@@ -130,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--figures", default=os.path.join(HERE, "figures"))
     ap.add_argument("--no-results", action="store_true", help="print the table; write nothing")
     args = ap.parse_args(argv)
-    rows = load_runs(args.runs)
+    runs = load_runs(args.runs)
+    rows = load_published(os.path.join(args.figures, "llamacpp_speed.json"), runs) + runs
     if not rows:
         print(f"no speed runs in {args.runs}: run `bench/llamacpp_compare.py speed` first", file=sys.stderr)
         return 1

@@ -201,3 +201,24 @@ def test_timed_decode_feeds_tensors_a_compiled_step_takes_without_recompiling():
 
     ours_speed._decode(Model(), None, 5, seed=0)
     assert seen == [((1, 1), (1, 1))] * 5
+
+
+def test_report_keeps_published_rows_a_fresh_clone_has_no_runs_for(tmp_path):
+    """The report merges the rows it published last with the runs folder: a new depth-0 run
+    replaces its own cells and leaves the rest (measured on another machine, runs/ not
+    cloned); a published row whose run is still in the folder comes from that run alone."""
+    import json
+
+    from llamacpp_report import latest, load_published
+    old, new = "2026-12-05 22:28:35 UTC", "2026-12-06 06:02:00 UTC"
+    published = [_row("ours", "fp32", "decode", 4096, 50.5, old), _row("llama.cpp", "fp32", "decode", 4096, 33.6, old),
+                 _row("ours", "fp32", "decode", 0, 58.7, old), _row("llama.cpp", "fp32", "decode", 0, 58.1, old)]
+    path = tmp_path / "llamacpp_speed.json"
+    path.write_text(json.dumps(published))
+    runs = [_row("ours", "fp32", "decode", 0, v, new) for v in (60.0, 61.0, 59.0)]
+    runs += [_row("llama.cpp", "fp32", "decode", 0, 57.0, new)]
+    best = latest(load_published(str(path), runs) + runs)
+    assert best[("ours", "fp32", "decode", 4096)]["tok_s"] == 50.5
+    assert best[("ours", "fp32", "decode", 0)]["tok_s"] == 60.0 and best[("ours", "fp32", "decode", 0)]["reps"] == 3
+    assert load_published(str(path), [_row("ours", "fp32", "decode", 0, 1.0, old)]) == []
+    assert load_published(str(tmp_path / "missing.json"), runs) == []
