@@ -70,8 +70,9 @@ at::Tensor gemv_op(const at::Tensor& x_in, const at::Tensor& w_in, const c10::op
       const int64_t ldx = gemv::split_len(K);
       std::vector<float> xs(size_t(H * M * ldx));
       for (int64_t m = 0; m < H * M; ++m) gemv::split_pairs(xf.data_ptr<float>() + m * K, K, xs.data() + m * ldx);
-      gemv::rows_parallel<gemv::bf16_bits>(xs.data(), ldx, H, M, K, reinterpret_cast<const gemv::bf16_bits*>(w.data_ptr()), ws, bp,
-                           N, y.data_ptr<float>());
+      gemv::rows_parallel<gemv::bf16_bits>(xs.data(), ldx, H, M, K,
+                                           reinterpret_cast<const gemv::bf16_bits*>(w.data_ptr()), ws, bp, N,
+                                           y.data_ptr<float>());
     }
   }
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());

@@ -2,8 +2,8 @@
 //
 // moe_route    the router logits h @ gate_w^T in fp32 (one sgemm; GEMV tiles for a
 //              decode step's few tokens), then one pass per token (blocks of
-//              tokens in parallel): sigmoid, +bias for the
-//              choice, group scores (sum of the top-2 per group), keep the
+//              tokens in parallel): sigmoid, +bias for the choice, group
+//              scores (sum of the top-2 per group), keep the
 //              topk_group best groups, pick top_k experts by insertion into a
 //              k-long sorted list (k <= a dozen: no sort of the E scores),
 //              weights from the un-biased scores. Slot order as the oracle:
@@ -79,10 +79,10 @@ struct RouteScratch {
 
 }  // namespace
 
+namespace {
 // h @ gate_w^T in fp32 [T, E]. A decode step's few tokens stream gate_w through the
 // GEMV tiles on both threads (csrc/cpu/gemv_tiles.h): MKL's single-threaded sgemv took
-// ~30 us for the small preset's 256 KB router, ~10 GB/s, in each of its 6 MoE layers.
-namespace {
+// 24-28 us for the small preset's 256 KB router (cold), ~10 GB/s, in each of its 6 MoE layers.
 at::Tensor router_logits(const at::Tensor& h, const at::Tensor& gate_w) {
   constexpr int64_t kGemvTokens = 16;   // int8.cpp's kGemvRows: above it a GEMM reuses each weight row
   const int64_t T = h.size(0), D = h.size(1), E = gate_w.size(0);
