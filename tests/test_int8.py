@@ -53,7 +53,7 @@ def test_quantize_rows_matches_oracle(impl, poisoned, shape, dtype):
 
 
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
-@pytest.mark.parametrize("K,N", [(37, 11), (257, 130)])
+@pytest.mark.parametrize("K,N", [(1, 9), (37, 11), (257, 130)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
@@ -102,7 +102,7 @@ def test_bad_int8_linear_heads_input(impl):
 
 
 @pytest.mark.parametrize("M", [1, 4, 17, 33])
-@pytest.mark.parametrize("K,N", [(37, 11), (257, 130)])
+@pytest.mark.parametrize("K,N", [(1, 9), (37, 11), (257, 130)])   # K=1: _int_mm's w.t() pitfall
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_w8a8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):

@@ -2,6 +2,9 @@
 row becomes three int8 digits (scales max|x|/127, /254, /254) multiplied by the
 int8 weights in exact int32 dot products, so that against the float64 oracle
     |y - y_ref| <= scale * sum_k |w_k| * 6.1e-8 * max|x| + half an ulp of y.
+Prefill (more than 16 rows, fp32 x) takes the same digits through oneDNN's int8
+GEMM (csrc/cpu/int8_digit_gemm.h): the same bound, and each row the bits the
+decode kernel gives it alone.
 On a CPU without AVX512_VNNI the same tests run the fp32 path at the usual
 fp32 tolerance; the first test says which path this machine takes."""
 import pytest
@@ -64,9 +67,10 @@ def _assert_within_digits_bound(y, x, w, s, bias=None):
 
 
 @pytest.mark.parametrize("K", [1, 5, 63, 64, 65, 191, 1000, 2500])
-@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 45])
 def test_int8_linear_digits_meet_their_bound(M, K):
-    """Odd K (below one vector, a tail, whole vectors), the 1/2/3/4-row blocks."""
+    """Odd K (below one vector, a tail, whole vectors), the 1/2/3/4-row blocks;
+    M > 16: the prefill GEMM."""
     w, s = _weight(37, K, seed=K)
     x = fresh(M, K, seed=M * 1000 + K)
     bias = fresh(37, seed=7)
@@ -127,6 +131,38 @@ def test_int8_linear_rows_are_thread_and_batch_independent(K, N):
     _assert_within_digits_bound(outs[0], x, w, s)
 
 
+@pytest.mark.parametrize("M,K,N", [(17, 65, 33), (45, 1000, 37), (530, 300, 70)])
+def test_prefill_rows_get_the_decode_kernels_bits(M, K, N):
+    """The prefill GEMM (M > 16; 530 crosses its 512-row blocks) gives each row
+    exactly what the decode kernel gives it alone: the same digits, exact integer
+    products and the same fused float64 combine. Where the CPU has no VNNI both
+    paths are fp32 and only the bound is checked."""
+    w, s = _weight(N, K, seed=M + K)
+    x = fresh(M, K, seed=N)
+    x[M // 2] = 0
+    x[1, 3] = 1e5   # one row with a huge element
+    bias = fresh(N, seed=M)
+    y = glm5_ops.int8_linear(x, w, s, bias)
+    _assert_within_digits_bound(y, x, w, s, bias)
+    if VNNI:
+        alone = torch.cat([glm5_ops.int8_linear(x[m:m + 1], w, s, bias) for m in range(M)])
+        assert torch.equal(y, alone)
+
+
+def test_prefill_non_finite_rows_propagate_and_leave_the_others_alone():
+    M, K = 20, 200
+    w, s = _weight(11, K, seed=19)
+    x = fresh(M, K, seed=20)
+    x[1, 5] = float("nan")
+    x[2, 7] = float("-inf")
+    y = glm5_ops.int8_linear(x, w, s)
+    expect = ref.int8_linear(x, w, s)
+    assert bool(y[1].isnan().all())
+    assert torch.equal(y[2].isinf(), expect[2].isinf()) and torch.equal(y[2].isnan(), expect[2].isnan())
+    keep = [m for m in range(M) if m not in (1, 2)]
+    _assert_within_digits_bound(y[keep], x[keep], w, s)
+
+
 def test_k_above_the_int32_bound_takes_the_fp32_path():
     K = 131073   # 127 * 127 * K >= 2^31: the digits' int32 sums could overflow
     w, s = _weight(3, K, seed=14)
@@ -147,6 +183,22 @@ def test_fused_moe_int8_decode_digits_against_float64():
     x = torch.randn(T, D, generator=g)
     weights = torch.rand(T, k, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    out = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids)
+    expect = ref.fused_moe_int8(x.double(), wgu, sgu, wd, sd, weights.double(), ids)
+    rel = 1e-6 if VNNI else 1e-4
+    torch.testing.assert_close(out.double(), expect, rtol=rel, atol=rel * float(expect.abs().max()))
+
+
+def test_fused_moe_int8_prefill_digits_against_float64():
+    """Experts with more than 16 rows run the prefill GEMM; the others the GEMV."""
+    T, D, I, E, k = 40, 130, 67, 4, 2
+    g = torch.Generator().manual_seed(21)
+    wgu, sgu = glm5_ops.quantize_int8(torch.randn(E, 2 * I, D, generator=g) * D ** -0.5)
+    wd, sd = glm5_ops.quantize_int8(torch.randn(E, D, I, generator=g) * I ** -0.5)
+    x = torch.randn(T, D, generator=g)
+    weights = torch.rand(T, k, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+    assert int(torch.bincount(ids.flatten().long(), minlength=E).max()) > 16
     out = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids)
     expect = ref.fused_moe_int8(x.double(), wgu, sgu, wd, sd, weights.double(), ids)
     rel = 1e-6 if VNNI else 1e-4

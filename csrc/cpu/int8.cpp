@@ -25,9 +25,11 @@
 //   Otherwise the GEMV tiles of gemv_tiles.h stream 8
 //   int8 weight rows side by side per thread, widening 16 int8 to fp32 in
 //   registers and FMA-ing against fp32 activations: a quarter of fp32's bytes.
-// - Many rows (prefill): compute bounds the step. The weight-only path
+// - Many rows (prefill): compute bounds the step. The weight-only path takes
+//   fp32 activations on VNNI through int8_digit_gemm.h (three digit rows per
+//   row in oneDNN's int8 GEMM, the decode kernel's accuracy); otherwise it
 //   dequantises the weight once into x's dtype and calls the BLAS GEMM (the
-//   dequantisation is O(N K) against the GEMM's O(M N K)); the W8A8 path calls
+//   dequantisation is O(N K) against the GEMM's O(M N K)). The W8A8 path calls
 //   at::_int_mm (oneDNN's u8s8 VNNI GEMM on this CPU), which measured faster
 //   than an fp32 or bf16 GEMM at prefill sizes.
 // - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
@@ -55,6 +57,7 @@
 
 #include "checks.h"
 #include "gemv_tiles.h"
+#include "int8_digit_gemm.h"
 #include "int8_vnni.h"
 #include "parallel.h"
 #include "swiglu.h"
@@ -285,6 +288,21 @@ c10::optional<at::Tensor> fp32_bias(const c10::optional<at::Tensor>& bias) {
   return bias->to(at::kFloat).contiguous();
 }
 
+// Weight-only x[M,K] @ (w * scale)^T + bias for many rows, where compute bounds the
+// call: fp32 x on a VNNI CPU through the digits GEMM (int8_digit_gemm.h), otherwise
+// one dequantisation and the BLAS GEMM in x's dtype (O(N K) against O(M N K)). bf16
+// and fp16 x keep the latter: their BLAS GEMM measured faster than three digit rows.
+at::Tensor weight_only_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat && vnni::use_digits(x.size(1)) && x.size(0) > 0 && w.size(0) > 0)
+    return vnni::digit_gemm(x.contiguous(), w.contiguous(), scale.contiguous().data_ptr<float>(),
+                            bias.has_value() ? bias->data_ptr<float>() : nullptr);
+#endif
+  auto y = at::linear(x, dequantize_rows(w, scale, x.scalar_type()));
+  return bias.has_value() ? (y.to(at::kFloat) + *bias).to(x.scalar_type()) : y;
+}
+
 // ------------------------------------------------------------------- ops --
 
 std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x_in) {
@@ -317,7 +335,7 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x_in) {
 // fp32 [M,N] = quantise_rows(x) @ w^T (int32 accumulation) * x_scale[m] * scale[n]; M, N, K >= 1.
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   auto [qx, sx] = int8_quantize_rows(x);
-  const at::Tensor acc = at::_int_mm(qx, w.t());   // oneDNN's int8 GEMM (VNNI where the CPU has it)
+  const at::Tensor acc = vnni::int_mm_wt(qx, w);   // oneDNN's int8 GEMM (VNNI where the CPU has it)
   return acc.to(at::kFloat).mul_(sx.unsqueeze(1)).mul_(scale.unsqueeze(0));
 }
 
@@ -327,10 +345,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
   const int64_t M = x.size(0), K = x.size(1), N = w_in.size(0);
   const at::Tensor w = w_in.contiguous(), scale = scale_in.contiguous();
   const auto bias = fp32_bias(bias_in);
-  if (M > kGemvRows) {   // compute-bound: one dequantisation, then the BLAS GEMM in x's dtype
-    auto y = at::linear(x, dequantize_rows(w, scale, x.scalar_type()));
-    return bias.has_value() ? (y.to(at::kFloat) + *bias).to(x.scalar_type()) : y;
-  }
+  if (M > kGemvRows) return weight_only_gemm(x, w, scale, bias);   // compute-bound
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   auto y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0)
@@ -450,7 +465,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       } else if (w8a8) {
         h = int8_gemm(xs, wgu_e, gus_e);
       } else {
-        h = at::linear(xs, dequantize_rows(wgu_e, gus_e, at::kFloat));
+        h = weight_only_gemm(xs, wgu_e, gus_e, c10::nullopt);
       }
       const at::Tensor a = at::empty({n, I}, x.options());
       silu_mul_rows(h, a);
@@ -460,7 +475,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       else if (w8a8)
         y.copy_(int8_gemm(a, wd_e, ds_e));
       else
-        at::linear_out(y, a, dequantize_rows(wd_e, ds_e, at::kFloat));
+        y.copy_(weight_only_gemm(a, wd_e, ds_e, c10::nullopt));
     }
   }
 

@@ -1,0 +1,93 @@
+// Weight-only int8 GEMM at fp32-order accuracy through oneDNN's int8 GEMM: the
+// prefill path of int8_linear and fused_moe_int8 for fp32 activations on CPUs
+// with AVX512_VNNI (docs/INT8.md, "Prefill on VNNI").
+//
+// Each fp32 activation row is written as int8_vnni.h's three digits
+// (x ~ s1 q1 + s2 q2 + s3 q3, residual <= 6.1e-8 max|x| per element), so
+//   x . w = s1 (q1 . w) + s2 (q2 . w) + s3 (q3 . w),
+// and the three integer products of a block of rows are one at::_int_mm of
+// three times the rows (int32 sums, exact for K <= kVnniMaxK), combined and
+// scaled in float64 and rounded to fp32 once: the decode kernel's numbers, by
+// a GEMM. This is the Ozaki-style split that emulates a wide float GEMM on
+// integer units. On this CPU's int8 GEMM, three digit rows cost less than one
+// fp32 row through the BLAS sgemm (bench/RESULTS.md, "Weight-only prefill on
+// VNNI digits"), and no fp32 copy of the weight is made, where dequantising
+// and calling sgemm writes and rereads one.
+// Rows with a NaN or an infinity get no digits; they are summed in float64
+// directly, as the decode kernel does.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "int8_vnni.h"
+
+namespace glm5 {
+namespace cpu {
+namespace vnni {
+
+// int32 q[M,K] @ w[N,K]^T by oneDNN's int8 GEMM, exact. At K = 1 w^T goes as a plain
+// [1, N] view: _int_mm (torch 2.14, CPU) reads w.t()'s strides (1, 1) wrongly and
+// returns other numbers (tests/test_int8.py and test_int8_digits.py cover K = 1).
+inline at::Tensor int_mm_wt(const at::Tensor& q, const at::Tensor& w) {
+  return at::_int_mm(q, w.size(1) == 1 ? w.view({1, w.size(0)}) : w.t());
+}
+
+#if defined(__AVX512F__)
+
+// Activation rows per _int_mm call: the int32 products of a block stay a few MB
+// (kDigits * 512 rows * N) instead of 3 M N * 4 bytes for the whole prefill.
+constexpr int64_t kDigitGemmRows = 512;
+static_assert(kDigits == 3, "digit_gemm combines three digit products");
+
+// y[M,N] fp32 = x[M,K] fp32 @ (w[N,K] int8 * scale[N])^T + bias[N]; x and w
+// contiguous, use_digits(K) true, M, N >= 1.
+inline at::Tensor digit_gemm(const at::Tensor& x, const at::Tensor& w, const float* scale, const float* bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  for (int64_t m0 = 0; m0 < M; m0 += kDigitGemmRows) {
+    const int64_t rows = std::min(kDigitGemmRows, M - m0);
+    const ActDigits d = make_digits(xp + m0 * K, rows, K, K);
+    // the digit rows as one [rows * kDigits, K] matrix, Kp apart (no copy)
+    const at::Tensor q = at::from_blob(d.q, {rows * kDigits, K}, {d.Kp, 1}, at::TensorOptions().dtype(at::kChar));
+    const at::Tensor acc = int_mm_wt(q, w);
+    const int32_t* ap = acc.data_ptr<int32_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* yr = yp + (m0 + r) * N;
+        if (!d.finite(r)) {   // NaN or infinity in the row: float64 sums, as the oracle
+          const float* xr = d.xrow(r);
+          for (int64_t n = 0; n < N; ++n) {
+            double v = 0.0;
+            for (int64_t k = 0; k < K; ++k) v += double(wp[n * K + k]) * double(xr[k]);
+            yr[n] = float(double(scale[n]) * v + (bias ? double(bias[n]) : 0.0));
+          }
+          continue;
+        }
+        const double* s = d.scales(r);
+        const int32_t* a0 = ap + (r * kDigits) * N;
+        const int32_t* a1 = a0 + N;
+        const int32_t* a2 = a1 + N;
+        for (int64_t n = 0; n < N; ++n) {
+          // rows_digits' fused order, so a row gets the decode kernel's bits
+          const double v = std::fma(s[2], double(a2[n]), std::fma(s[1], double(a1[n]), s[0] * double(a0[n])));
+          yr[n] = float(std::fma(double(scale[n]), v, bias ? double(bias[n]) : 0.0));
+        }
+      }
+    });
+  }
+  return y;
+}
+
+#endif
+
+}  // namespace vnni
+}  // namespace cpu
+}  // namespace glm5
