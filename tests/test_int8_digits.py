@@ -2,9 +2,9 @@
 row becomes three int8 digits (scales max|x|/127, /254, /254) multiplied by the
 int8 weights in exact int32 dot products, so that against the float64 oracle
     |y - y_ref| <= scale * sum_k |w_k| * 6.1e-8 * max|x| + half an ulp of y.
-Prefill (more than 16 rows, fp32 x) takes the same digits through oneDNN's int8
-GEMM (csrc/cpu/int8_digit_gemm.h): the same bound, and each row the bits the
-decode kernel gives it alone.
+Prefill (more than 16 rows, fp32 x, at least 256 outputs) takes the same digits
+through oneDNN's int8 GEMM (csrc/cpu/int8_digit_gemm.h): the same bound, and each
+row the bits the decode kernel gives it alone.
 On a CPU without AVX512_VNNI the same tests run the fp32 path at the usual
 fp32 tolerance; the first test says which path this machine takes."""
 import pytest
@@ -70,10 +70,11 @@ def _assert_within_digits_bound(y, x, w, s, bias=None):
 @pytest.mark.parametrize("M", [1, 3, 16, 17, 45])
 def test_int8_linear_digits_meet_their_bound(M, K):
     """Odd K (below one vector, a tail, whole vectors), the 1/2/3/4-row blocks;
-    M > 16: the prefill GEMM."""
-    w, s = _weight(37, K, seed=K)
+    M > 16: the prefill GEMM (N >= 256 takes it)."""
+    N = 37 if M <= 16 else 257
+    w, s = _weight(N, K, seed=K)
     x = fresh(M, K, seed=M * 1000 + K)
-    bias = fresh(37, seed=7)
+    bias = fresh(N, seed=7)
     _assert_within_digits_bound(glm5_ops.int8_linear(x, w, s, bias), x, w, s, bias)
 
 
@@ -131,7 +132,7 @@ def test_int8_linear_rows_are_thread_and_batch_independent(K, N):
     _assert_within_digits_bound(outs[0], x, w, s)
 
 
-@pytest.mark.parametrize("M,K,N", [(17, 65, 33), (45, 1000, 37), (530, 300, 70)])
+@pytest.mark.parametrize("M,K,N", [(17, 65, 256), (45, 1000, 300), (530, 300, 263)])
 def test_prefill_rows_get_the_decode_kernels_bits(M, K, N):
     """The prefill GEMM (M > 16; 530 crosses its 512-row blocks) gives each row
     exactly what the decode kernel gives it alone: the same digits, exact integer
@@ -151,7 +152,7 @@ def test_prefill_rows_get_the_decode_kernels_bits(M, K, N):
 
 def test_prefill_non_finite_rows_propagate_and_leave_the_others_alone():
     M, K = 20, 200
-    w, s = _weight(11, K, seed=19)
+    w, s = _weight(256, K, seed=19)
     x = fresh(M, K, seed=20)
     x[1, 5] = float("nan")
     x[2, 7] = float("-inf")
@@ -190,8 +191,9 @@ def test_fused_moe_int8_decode_digits_against_float64():
 
 
 def test_fused_moe_int8_prefill_digits_against_float64():
-    """Experts with more than 16 rows run the prefill GEMM; the others the GEMV."""
-    T, D, I, E, k = 40, 130, 67, 4, 2
+    """Experts with more than 16 rows run the prefill GEMM (gate/up 2I and down D
+    outputs >= 256: the digits on VNNI); the others the GEMV."""
+    T, D, I, E, k = 40, 300, 131, 4, 2
     g = torch.Generator().manual_seed(21)
     wgu, sgu = glm5_ops.quantize_int8(torch.randn(E, 2 * I, D, generator=g) * D ** -0.5)
     wd, sd = glm5_ops.quantize_int8(torch.randn(E, D, I, generator=g) * I ** -0.5)

@@ -70,6 +70,14 @@ constexpr int64_t kGemvRows = 16;                 // at most this many activatio
 constexpr int64_t kTileRows = gemv::kParallelTileRows;
 using gemv::kMinBytesPerThread;
 
+// Elements per thread below which row loops stay on the calling thread: a decode
+// step's few rows cost less than waking the other threads.
+constexpr int64_t kRowLoopGrainElems = 65536;
+
+int64_t row_grain(int64_t row_elems) {
+  return std::max<int64_t>(1, kRowLoopGrainElems / std::max<int64_t>(row_elems, 1));
+}
+
 // y[M,N] fp32 = x[M,K] fp32 @ (w * scale)^T + bias: each thread streams its own
 // contiguous range of weight rows (gemv_tiles.h; a row's result does not depend on M).
 void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
@@ -289,18 +297,66 @@ c10::optional<at::Tensor> fp32_bias(const c10::optional<at::Tensor>& bias) {
 }
 
 // Weight-only x[M,K] @ (w * scale)^T + bias for many rows, where compute bounds the
-// call: fp32 x on a VNNI CPU through the digits GEMM (int8_digit_gemm.h), otherwise
+// call: fp32 x on a VNNI CPU through the digits GEMM (int8_digit_gemm.h) where N is
+// wide enough to pay for writing the digits, otherwise
 // one dequantisation and the BLAS GEMM in x's dtype (O(N K) against O(M N K)). bf16
 // and fp16 x keep the latter: their BLAS GEMM measured faster than three digit rows.
+// y [M, N] of x's dtype, contiguous; bias fp32 or none.
+void weight_only_gemm_out(at::Tensor y, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512F__)
+  if (x.scalar_type() == at::kFloat && vnni::use_digit_gemm(x.size(1), w.size(0)) && x.size(0) > 0) {
+    vnni::digit_gemm(x.contiguous(), w.contiguous(), scale.contiguous().data_ptr<float>(),
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>());
+    return;
+  }
+#endif
+  if (!bias.has_value()) {
+    at::linear_out(y, x, dequantize_rows(w, scale, x.scalar_type()));
+    return;
+  }
+  y.copy_(at::linear(x, dequantize_rows(w, scale, x.scalar_type())).to(at::kFloat).add_(*bias));
+}
+
 at::Tensor weight_only_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& bias) {
+  auto y = at::empty({x.size(0), w.size(0)}, x.options());
+  weight_only_gemm_out(y, x, w, scale, bias);
+  return y;
+}
+
+// q[k] = round_half_even(x[k] / s) clamped to [-127, 127], s = max|x| / 127 (returned;
+// q = 0 where s = 0). Vectorised it is the scalar loop's arithmetic lane by lane (an
+// IEEE division, round to nearest even, the same clamp), so the same bits: a NaN
+// element is skipped by the max and clamps to 127, as std::max / std::min leave it.
+float quantize_row(const float* x, int64_t K, int8_t* q) {
 #if defined(__AVX512F__)
-  if (x.scalar_type() == at::kFloat && vnni::use_digits(x.size(1)) && x.size(0) > 0 && w.size(0) > 0)
-    return vnni::digit_gemm(x.contiguous(), w.contiguous(), scale.contiguous().data_ptr<float>(),
-                            bias.has_value() ? bias->data_ptr<float>() : nullptr);
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const auto tail = [K](int64_t k) {
+    return K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
+  };
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16)   // max(|x|, acc): MAXPS returns acc where |x| is NaN
+    vmax = _mm512_max_ps(_mm512_and_ps(_mm512_maskz_loadu_ps(tail(k), x + k), abs_mask), vmax);
+  const float s = _mm512_reduce_max_ps(vmax) / 127.f;
+  const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = tail(k);
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(m, x + k), sv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_max_ps(_mm512_min_ps(v, hi), lo);   // MINPS returns hi where v is NaN
+    const __m128i qi = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+    _mm_mask_storeu_epi8(q + k, m, s > 0.f ? qi : _mm_setzero_si128());
+  }
+  return s;
+#else
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float s = amax / 127.f;
+  for (int64_t k = 0; k < K; ++k)   // nearbyint: half to even under the default rounding mode
+    q[k] = s > 0.f ? int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[k] / s)))) : 0;
+  return s;
 #endif
-  auto y = at::linear(x, dequantize_rows(w, scale, x.scalar_type()));
-  return bias.has_value() ? (y.to(at::kFloat) + *bias).to(x.scalar_type()) : y;
 }
 
 // ------------------------------------------------------------------- ops --
@@ -319,24 +375,49 @@ std::tuple<at::Tensor, at::Tensor> int8_quantize_rows(const at::Tensor& x_in) {
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   at::parallel_for(0, R, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * K;
-      float amax = 0.f;
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-      const float s = amax / 127.f;
-      sp[r] = s;
-      for (int64_t k = 0; k < K; ++k)   // nearbyint: half to even under the default rounding mode
-        qp[r * K + k] = s > 0.f ? int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(xr[k] / s)))) : 0;
-    }
+    for (int64_t r = r0; r < r1; ++r) sp[r] = quantize_row(xp + r * K, K, qp + r * K);
   });
   return {q, scale};
 }
 
-// fp32 [M,N] = quantise_rows(x) @ w^T (int32 accumulation) * x_scale[m] * scale[n]; M, N, K >= 1.
-at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+// y fp32 [M,N] (rows N apart) = quantise_rows(x) @ w^T (int32 accumulation) * x_scale[m]
+// * scale[n] + bias[n]; M, N, K >= 1; bias fp32 or null. The scaling is one pass over
+// the products (as ATen ops, convert, two multiplies and an add were four), in the
+// oracle's order: fp32 (acc * x_scale) * scale, then + bias.
+void int8_gemm_out(float* yp, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_in,
+                   const float* bias) {
   auto [qx, sx] = int8_quantize_rows(x);
   const at::Tensor acc = vnni::int_mm_wt(qx, w);   // oneDNN's int8 GEMM (VNNI where the CPU has it)
-  return acc.to(at::kFloat).mul_(sx.unsqueeze(1)).mul_(scale.unsqueeze(0));
+  const at::Tensor scale = scale_in.contiguous();
+  const int64_t M = acc.size(0), N = acc.size(1);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float *sxp = sx.data_ptr<float>(), *sp = scale.data_ptr<float>();
+  at::parallel_for(0, M, row_grain(N), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int32_t* a = ap + m * N;
+      float* yr = yp + m * N;
+      int64_t n = 0;
+#if defined(__AVX512F__)
+      const __m512 xs = _mm512_set1_ps(sxp[m]);
+      for (; n + 16 <= N; n += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(a + n)), xs),
+                                 _mm512_loadu_ps(sp + n));
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+        _mm512_storeu_ps(yr + n, v);
+      }
+#endif
+      for (; n < N; ++n) {
+        const float v = (float(a[n]) * sxp[m]) * sp[n];
+        yr[n] = bias ? v + bias[n] : v;
+      }
+    }
+  });
+}
+
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const float* bias) {
+  auto y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
+  int8_gemm_out(y.data_ptr<float>(), x, w, scale, bias);
+  return y;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scale_in,
@@ -381,9 +462,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
     if (bias_in.has_value()) y += *fp32_bias(bias_in);
     return y.to(x.scalar_type());
   }
-  auto y = int8_gemm(x, w_in, scale_in);
-  if (bias_in.has_value()) y.add_(*fp32_bias(bias_in));
-  return y.to(x.scalar_type());
+  const auto bias = fp32_bias(bias_in);
+  return int8_gemm(x, w_in, scale_in, bias.has_value() ? bias->data_ptr<float>() : nullptr).to(x.scalar_type());
 }
 
 // a = silu(h[:, :I]) * h[:, I:] for h [R, 2I], a [R, I], both contiguous: as ATen
@@ -393,7 +473,9 @@ void silu_mul_rows(const at::Tensor& h, const at::Tensor& a) {
   const int64_t R = a.size(0), I = a.size(1);
   const float* hp = h.data_ptr<float>();
   float* ap = a.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) swiglu<float>(hp + r * 2 * I, hp + r * 2 * I + I, ap + r * I, I);
+  at::parallel_for(0, R, row_grain(I), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) swiglu<float>(hp + r * 2 * I, hp + r * 2 * I + I, ap + r * I, I);
+  });
 }
 
 at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& gu_scale_in,
@@ -456,14 +538,16 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       if (n == 0) continue;
       auto xs = at::empty({n, D}, x.options());
       float* xsp = xs.data_ptr<float>();
-      for (int64_t r = 0; r < n; ++r) std::copy_n(xp + (pair_of[r0 + r] / k) * D, D, xsp + r * D);
+      at::parallel_for(0, n, row_grain(D), [&](int64_t a0, int64_t a1) {
+        for (int64_t r = a0; r < a1; ++r) std::copy_n(xp + (pair_of[r0 + r] / k) * D, D, xsp + r * D);
+      });
       const at::Tensor wgu_e = wgu[e], wd_e = wd[e], gus_e = gus[e], ds_e = ds[e];
       at::Tensor h;
       if (n <= kGemvRows) {
         h = at::empty({n, I2}, x.options());
         gemv(xsp, n, D, wgu_e.data_ptr<int8_t>(), gus_e.data_ptr<float>(), nullptr, I2, h.data_ptr<float>());
       } else if (w8a8) {
-        h = int8_gemm(xs, wgu_e, gus_e);
+        h = int8_gemm(xs, wgu_e, gus_e, nullptr);
       } else {
         h = weight_only_gemm(xs, wgu_e, gus_e, c10::nullopt);
       }
@@ -473,9 +557,9 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       if (n <= kGemvRows)
         gemv(a.data_ptr<float>(), n, I, wd_e.data_ptr<int8_t>(), ds_e.data_ptr<float>(), nullptr, D, ys + r0 * D);
       else if (w8a8)
-        y.copy_(int8_gemm(a, wd_e, ds_e));
+        int8_gemm_out(ys + r0 * D, a, wd_e, ds_e, nullptr);
       else
-        y.copy_(weight_only_gemm(a, wd_e, ds_e, c10::nullopt));
+        weight_only_gemm_out(y, a, wd_e, ds_e, c10::nullopt);
     }
   }
 

@@ -44,24 +44,56 @@ inline at::Tensor int_mm_wt(const at::Tensor& q, const at::Tensor& w) {
 constexpr int64_t kDigitGemmRows = 512;
 static_assert(kDigits == 3, "digit_gemm combines three digit products");
 
-// y[M,N] fp32 = x[M,K] fp32 @ (w[N,K] int8 * scale[N])^T + bias[N]; x and w
+// Output columns below which dequantise + sgemm wins: writing the digits costs
+// O(M K) whatever N, the GEMM saves O(M N K). Measured at M = 2048, K = 1024
+// (bench/RESULTS.md, "Weight-only prefill on VNNI digits"): N = 64 0.5x, 128 0.9x,
+// 192 1.0x, 256-2816 1.1-1.4x against dequantise + sgemm.
+constexpr int64_t kDigitGemmMinN = 256;
+
+// Whether a weight-only GEMM with rows of K and N outputs takes digit_gemm.
+inline bool use_digit_gemm(int64_t K, int64_t N) { return use_digits(K) && N >= kDigitGemmMinN; }
+
+// y[n] = float(scale[n] * (s0 a0[n] + s1 a1[n] + s2 a2[n]) + bias[n]) in float64, for the
+// digit products a_d = a + d N; rows_digits' fused order (s0 a0, then + s1 a1, + s2 a2,
+// then scale and bias in one fma), so a row gets the decode kernel's bits.
+inline void combine_row(const double* s, const int32_t* a, const float* scale, const float* bias, int64_t N,
+                        float* y) {
+  const int32_t *a0 = a, *a1 = a + N, *a2 = a + 2 * N;
+  const __m512d s0 = _mm512_set1_pd(s[0]), s1 = _mm512_set1_pd(s[1]), s2 = _mm512_set1_pd(s[2]);
+  const auto load = [](const int32_t* p) {
+    return _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  int64_t n = 0;
+  for (; n + 8 <= N; n += 8) {
+    __m512d v = _mm512_mul_pd(s0, load(a0 + n));
+    v = _mm512_fmadd_pd(s1, load(a1 + n), v);
+    v = _mm512_fmadd_pd(s2, load(a2 + n), v);
+    const __m512d b = bias ? _mm512_cvtps_pd(_mm256_loadu_ps(bias + n)) : _mm512_setzero_pd();
+    _mm256_storeu_ps(y + n, _mm512_cvtpd_ps(_mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_loadu_ps(scale + n)), v, b)));
+  }
+  for (; n < N; ++n) {
+    const double v = std::fma(s[2], double(a2[n]), std::fma(s[1], double(a1[n]), s[0] * double(a0[n])));
+    y[n] = float(std::fma(double(scale[n]), v, bias ? double(bias[n]) : 0.0));
+  }
+}
+
+// y[M,N] fp32 (ldy N) = x[M,K] fp32 @ (w[N,K] int8 * scale[N])^T + bias[N]; x and w
 // contiguous, use_digits(K) true, M, N >= 1.
-inline at::Tensor digit_gemm(const at::Tensor& x, const at::Tensor& w, const float* scale, const float* bias) {
+inline void digit_gemm(const at::Tensor& x, const at::Tensor& w, const float* scale, const float* bias, float* y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   for (int64_t m0 = 0; m0 < M; m0 += kDigitGemmRows) {
     const int64_t rows = std::min(kDigitGemmRows, M - m0);
-    const ActDigits d = make_digits(xp + m0 * K, rows, K, K);
+    ActDigits d = alloc_digits(xp + m0 * K, rows, K, K);
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { fill_digits(d, r0, r1); });
     // the digit rows as one [rows * kDigits, K] matrix, Kp apart (no copy)
     const at::Tensor q = at::from_blob(d.q, {rows * kDigits, K}, {d.Kp, 1}, at::TensorOptions().dtype(at::kChar));
     const at::Tensor acc = int_mm_wt(q, w);
     const int32_t* ap = acc.data_ptr<int32_t>();
     at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        float* yr = yp + (m0 + r) * N;
+        float* yr = y + (m0 + r) * N;
         if (!d.finite(r)) {   // NaN or infinity in the row: float64 sums, as the oracle
           const float* xr = d.xrow(r);
           for (int64_t n = 0; n < N; ++n) {
@@ -71,19 +103,10 @@ inline at::Tensor digit_gemm(const at::Tensor& x, const at::Tensor& w, const flo
           }
           continue;
         }
-        const double* s = d.scales(r);
-        const int32_t* a0 = ap + (r * kDigits) * N;
-        const int32_t* a1 = a0 + N;
-        const int32_t* a2 = a1 + N;
-        for (int64_t n = 0; n < N; ++n) {
-          // rows_digits' fused order, so a row gets the decode kernel's bits
-          const double v = std::fma(s[2], double(a2[n]), std::fma(s[1], double(a1[n]), s[0] * double(a0[n])));
-          yr[n] = float(std::fma(double(scale[n]), v, bias ? double(bias[n]) : 0.0));
-        }
+        combine_row(d.scales(r), ap + (r * kDigits) * N, scale, bias, N, yr);
       }
     });
   }
-  return y;
 }
 
 #endif

@@ -85,17 +85,24 @@ struct ActDigits {
   bool finite(int64_t r) const { return !std::isnan(scales(r)[0]); }
 };
 
-// x fp32 [R, ldx] (K used) -> its digits (the layout above).
-inline ActDigits make_digits(const float* x, int64_t R, int64_t K, int64_t ldx) {
+// Storage for the digits of x fp32 [R, ldx] (K used), all zero; fill_digits writes them.
+inline ActDigits alloc_digits(const float* x, int64_t R, int64_t K, int64_t ldx) {
   ActDigits a;
   a.R = R, a.K = K, a.Kp = (K + 63) / 64 * 64 + 64, a.x = x, a.ldx = ldx;
   a.buf.assign(R * kDigits * a.Kp + 63, 0);
   a.q = a.buf.data() + (64 - reinterpret_cast<uintptr_t>(a.buf.data()) % 64) % 64;
   a.s.assign(R * kDigits, 0.0);
   a.qsum.assign(R * kDigits, 0);
+  return a;
+}
+
+// The digits of rows [r0, r1) of a's x (the layout above); rows are independent,
+// so threads may fill disjoint ranges.
+inline void fill_digits(ActDigits& a, int64_t r0, int64_t r1) {
+  const int64_t K = a.K;
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = x + r * ldx;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = a.x + r * a.ldx;
     __m512 vmax = _mm512_setzero_ps();
     __mmask16 nan = 0;
     for (int64_t k = 0; k < K; k += 16) {
@@ -141,6 +148,12 @@ inline ActDigits make_digits(const float* x, int64_t R, int64_t K, int64_t ldx) 
       a.qsum[r * kDigits + d] = t;
     }
   }
+}
+
+// x fp32 [R, ldx] (K used) -> its digits, on the calling thread (decode: a few rows).
+inline ActDigits make_digits(const float* x, int64_t R, int64_t K, int64_t ldx) {
+  ActDigits a = alloc_digits(x, R, K, ldx);
+  fill_digits(a, 0, R);
   return a;
 }
 
