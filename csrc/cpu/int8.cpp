@@ -533,23 +533,40 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, nullptr);
     }
   } else {
+#if defined(__AVX512F__)
+    // Weight-only gate/up on the digits: each token's digits written once and read by
+    // its k experts through the sort (k times fewer digits to write than per expert).
+    vnni::ActDigits xd;
+    const bool token_digits = !w8a8 && vnni::use_digit_gemm(D, I2);
+    if (token_digits) {
+      xd = vnni::digits_of(xp, T, D);
+      xd.map.resize(T * k);
+      for (int64_t r = 0; r < T * k; ++r) xd.map[r] = pair_of[r] / k;
+    }
+#else
+    const bool token_digits = false;
+#endif
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
       if (n == 0) continue;
-      auto xs = at::empty({n, D}, x.options());
-      float* xsp = xs.data_ptr<float>();
-      at::parallel_for(0, n, row_grain(D), [&](int64_t a0, int64_t a1) {
-        for (int64_t r = a0; r < a1; ++r) std::copy_n(xp + (pair_of[r0 + r] / k) * D, D, xsp + r * D);
-      });
       const at::Tensor wgu_e = wgu[e], wd_e = wd[e], gus_e = gus[e], ds_e = ds[e];
-      at::Tensor h;
-      if (n <= kGemvRows) {
-        h = at::empty({n, I2}, x.options());
-        gemv(xsp, n, D, wgu_e.data_ptr<int8_t>(), gus_e.data_ptr<float>(), nullptr, I2, h.data_ptr<float>());
-      } else if (w8a8) {
-        h = int8_gemm(xs, wgu_e, gus_e, nullptr);
+      at::Tensor h = at::empty({n, I2}, x.options());
+      if (n > kGemvRows && token_digits) {
+#if defined(__AVX512F__)
+        vnni::digits_times_w(xd, r0, n, wgu_e, gus_e.data_ptr<float>(), nullptr, h.data_ptr<float>());
+#endif
       } else {
-        h = weight_only_gemm(xs, wgu_e, gus_e, c10::nullopt);
+        auto xs = at::empty({n, D}, x.options());
+        float* xsp = xs.data_ptr<float>();
+        at::parallel_for(0, n, row_grain(D), [&](int64_t a0, int64_t a1) {
+          for (int64_t r = a0; r < a1; ++r) std::copy_n(xp + (pair_of[r0 + r] / k) * D, D, xsp + r * D);
+        });
+        if (n <= kGemvRows)
+          gemv(xsp, n, D, wgu_e.data_ptr<int8_t>(), gus_e.data_ptr<float>(), nullptr, I2, h.data_ptr<float>());
+        else if (w8a8)
+          int8_gemm_out(h.data_ptr<float>(), xs, wgu_e, gus_e, nullptr);
+        else
+          weight_only_gemm_out(h, xs, wgu_e, gus_e, c10::nullopt);
       }
       const at::Tensor a = at::empty({n, I}, x.options());
       silu_mul_rows(h, a);

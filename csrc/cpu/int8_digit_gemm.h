@@ -77,23 +77,33 @@ inline void combine_row(const double* s, const int32_t* a, const float* scale, c
   }
 }
 
-// y[M,N] fp32 (ldy N) = x[M,K] fp32 @ (w[N,K] int8 * scale[N])^T + bias[N]; x and w
-// contiguous, use_digits(K) true, M, N >= 1.
-inline void digit_gemm(const at::Tensor& x, const at::Tensor& w, const float* scale, const float* bias, float* y) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const float* xp = x.data_ptr<float>();
+// y[i, :] = x_r . (w * scale)^T + bias for the logical rows r = r0 + i, i < R, of d
+// (through d.map where set: the MoE's sorted pairs read their token's digits), y rows
+// N apart; w [N, K] int8 contiguous with K = d.K, N >= 1.
+inline void digits_times_w(const ActDigits& d, int64_t r0, int64_t R, const at::Tensor& w, const float* scale,
+                           const float* bias, float* y) {
+  const int64_t K = d.K, N = w.size(0);
   const int8_t* wp = w.data_ptr<int8_t>();
-  for (int64_t m0 = 0; m0 < M; m0 += kDigitGemmRows) {
-    const int64_t rows = std::min(kDigitGemmRows, M - m0);
-    ActDigits d = alloc_digits(xp + m0 * K, rows, K, K);
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) { fill_digits(d, r0, r1); });
-    // the digit rows as one [rows * kDigits, K] matrix, Kp apart (no copy)
-    const at::Tensor q = at::from_blob(d.q, {rows * kDigits, K}, {d.Kp, 1}, at::TensorOptions().dtype(at::kChar));
+  for (int64_t b0 = 0; b0 < R; b0 += kDigitGemmRows) {
+    const int64_t rows = std::min(kDigitGemmRows, R - b0);
+    at::Tensor q;   // the block's digit rows as one [rows * kDigits, K] int8 matrix
+    if (d.map.empty()) {   // stored in order, Kp apart: read in place
+      q = at::from_blob(const_cast<int8_t*>(d.row(r0 + b0)), {rows * kDigits, K}, {d.Kp, 1},
+                        at::TensorOptions().dtype(at::kChar));
+    } else {   // gathered through the map
+      q = at::empty({rows * kDigits, K}, at::TensorOptions().dtype(at::kChar));
+      int8_t* qp = q.data_ptr<int8_t>();
+      at::parallel_for(0, rows, 16, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i)
+          for (int g = 0; g < kDigits; ++g) std::copy_n(d.row(r0 + b0 + i) + g * d.Kp, K, qp + (i * kDigits + g) * K);
+      });
+    }
     const at::Tensor acc = int_mm_wt(q, w);
     const int32_t* ap = acc.data_ptr<int32_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        float* yr = y + (m0 + r) * N;
+    at::parallel_for(0, rows, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = r0 + b0 + i;
+        float* yr = y + (b0 + i) * N;
         if (!d.finite(r)) {   // NaN or infinity in the row: float64 sums, as the oracle
           const float* xr = d.xrow(r);
           for (int64_t n = 0; n < N; ++n) {
@@ -103,9 +113,27 @@ inline void digit_gemm(const at::Tensor& x, const at::Tensor& w, const float* sc
           }
           continue;
         }
-        combine_row(d.scales(r), ap + (r * kDigits) * N, scale, bias, N, yr);
+        combine_row(d.scales(r), ap + (i * kDigits) * N, scale, bias, N, yr);
       }
     });
+  }
+}
+
+// Digits of x fp32 [R, K] (contiguous), filled on all threads.
+inline ActDigits digits_of(const float* x, int64_t R, int64_t K) {
+  ActDigits d = alloc_digits(x, R, K, K);
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) { fill_digits(d, r0, r1); });
+  return d;
+}
+
+// y[M,N] fp32 (rows N apart) = x[M,K] fp32 @ (w[N,K] int8 * scale[N])^T + bias[N]; x and
+// w contiguous, use_digits(K) true, M, N >= 1. Digits a block at a time: a few MB.
+inline void digit_gemm(const at::Tensor& x, const at::Tensor& w, const float* scale, const float* bias, float* y) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  for (int64_t m0 = 0; m0 < M; m0 += kDigitGemmRows) {
+    const int64_t rows = std::min(kDigitGemmRows, M - m0);
+    const ActDigits d = digits_of(x.data_ptr<float>() + m0 * K, rows, K);
+    digits_times_w(d, 0, rows, w, scale, bias, y + m0 * N);
   }
 }
 

@@ -76,6 +76,7 @@ struct ActDigits {
   int64_t stored(int64_t r) const { return map.empty() ? r : map[r]; }
   ActDigits() = default;
   ActDigits(ActDigits&&) = default;   // q stays valid: a moved vector keeps its storage
+  ActDigits& operator=(ActDigits&&) = default;
   ActDigits(const ActDigits&) = delete;
 
   const int8_t* row(int64_t r) const { return q + stored(r) * kDigits * Kp; }
