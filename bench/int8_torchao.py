@@ -39,7 +39,7 @@ from bench.int8_bench import interleaved, write_results  # noqa: E402
 from bench.int8_quality import add_model_args, loss_of, trained_model_and_rows  # noqa: E402
 from models.glm5 import GLM5ForCausalLM, preset, quantize  # noqa: E402
 from models.glm5.moe import Experts  # noqa: E402
-from models.glm5.quantization import DEFAULT_SKIP, skipped  # noqa: E402
+from models.glm5.quantization import DEFAULT_SKIP, skipped, weight_bytes  # noqa: E402
 
 TORCHAO_SKIP = DEFAULT_SKIP + ("*.kv_b_proj",)        # what torchao can quantise here: see the docstring
 LINEARS_ONLY = TORCHAO_SKIP + ("*.mlp.experts",)
@@ -113,26 +113,6 @@ def probe_experts(model) -> dict:
     return out
 
 
-def tensor_bytes(model) -> int:
-    """Bytes of parameters and buffers, each storage once; a tensor subclass
-    (torchao's Int8Tensor) counted by the plain tensors it holds."""
-    seen, total = set(), 0
-
-    def plain(t):
-        if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
-            for name in t.__tensor_flatten__()[0]:
-                yield from plain(getattr(t, name))
-        else:
-            yield t
-    for t in list(model.parameters()) + list(model.buffers()):
-        for p in plain(t):
-            key = p.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += p.untyped_storage().nbytes()
-    return total
-
-
 @torch.no_grad()
 def bench_speed(a) -> dict:
     torch.manual_seed(0)
@@ -140,7 +120,7 @@ def bench_speed(a) -> dict:
     log(f"building {a.preset} (fp32, attn={a.attn}) and its int8 variants")
     models = variants(GLM5ForCausalLM(config, attn=a.attn).eval())
     res = {"experts": probe_experts(models["fp32"]),
-           "weight_MiB": {k: tensor_bytes(m) / 2**20 for k, m in models.items()}}
+           "weight_MiB": {k: weight_bytes(m)["total"] / 2**20 for k, m in models.items()}}
     log("weight MiB: " + ", ".join(f"{k} {v:.0f}" for k, v in res["weight_MiB"].items()))
 
     ids = torch.randint(0, config.vocab_size, (1, max(a.context + a.decode_steps, a.prefill) + 1))

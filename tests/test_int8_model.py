@@ -100,6 +100,31 @@ def test_weight_bytes_quarter_for_quantised_layers():
     assert 0.25 < b["int8_modules"] / before < 0.27   # int8 + one fp32 scale per row
 
 
+class _Wrapped(torch.Tensor):
+    """A wrapper tensor subclass like torchao's Int8Tensor: no storage of its own."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=torch.float32)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_Wrapped: {func}")
+
+
+def test_weight_bytes_counts_what_a_tensor_subclass_holds():
+    """bench/int8_torchao.py and int8_bench.py size torchao's models with it."""
+    m = torch.nn.Linear(4, 3)
+    m.register_buffer("packed", _Wrapped(torch.ones(3, 40, dtype=torch.int8)))
+    assert weight_bytes(m)["total"] == 3 * 4 * 4 + 3 * 4 + 3 * 40   # weight, bias, the int8 inner tensor
+
+
 def test_save_and_from_pretrained_roundtrip(tmp_path):
     model = quantize(_model(), "w8a8")
     ids = _ids()

@@ -212,19 +212,31 @@ def quantize_model(model: nn.Module, mode: str = "int8_weight_only", skip=None) 
     return quantize(model, mode, skip)
 
 
+def _plain_tensors(t: torch.Tensor):
+    """t itself, or for a wrapper tensor subclass (torchao's Int8Tensor: its own
+    storage is a placeholder) the plain tensors it holds."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _plain_tensors(getattr(t, name))
+    else:
+        yield t
+
+
 def weight_bytes(model: nn.Module) -> dict:
     """Bytes of parameters and buffers, each storage once: total, in int8 modules
-    (int8 weights + their scales) and the rest."""
+    (int8 weights + their scales) and the rest. Tensor subclasses count the plain
+    tensors they hold."""
     seen, total, quant = set(), 0, 0
     for mod_name, mod in model.named_modules():
         is_q = isinstance(mod, (Int8Linear, Int8Embedding, Int8Experts))
         for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
-            key = t.untyped_storage().data_ptr()
-            if key in seen:
-                continue
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-            quant += t.untyped_storage().nbytes() if is_q else 0
+            for p in _plain_tensors(t):
+                key = p.untyped_storage().data_ptr()
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += p.untyped_storage().nbytes()
+                quant += p.untyped_storage().nbytes() if is_q else 0
     return {"total": total, "int8_modules": quant, "other": total - quant}
 
 
