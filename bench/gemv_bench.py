@@ -114,6 +114,7 @@ def bench_rows(a):
 
 
 def bench_moe(a, bw):
+    """bw(): the read bandwidth now, GB/s."""
     c = preset(a.preset)
     E, I, D, k = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.num_experts_per_tok
     layers = []
@@ -135,9 +136,19 @@ def bench_moe(a, bw):
         n_exp = statistics.mean(n for _, _, n in calls)
         nbytes = n_exp * expert_bytes
         reps = max(len(calls), int(2e8 // per_call))
-        t = median_time(cycling(lambda c_: glm5_ops.fused_moe_int8(x, *c_[0], w, c_[1]), calls), reps)
+        run = cycling(lambda c_: glm5_ops.fused_moe_int8(x, *c_[0], w, c_[1]), calls)
+        # The host's bandwidth drifts (24-50 GB/s for the same sum within minutes), so
+        # each round measures it right before the kernel: the fraction is per round.
+        ts, fracs, bws = [], [], []
+        for _ in range(a.rounds):
+            bw_r = bw()
+            t = median_time(run, reps, rounds=1)
+            ts.append(t), bws.append(bw_r), fracs.append(nbytes / t / 1e9 / bw_r)
+        t = statistics.median(ts)
         print(f"fused_moe_int8 T={T} ({n_exp:.1f} experts, {len(calls)} routings cycled): {t * 1e6:.0f} us, "
-              f"{nbytes / t / 1e9:.1f} GB/s, {nbytes / t / 1e9 / bw:.0%} of {bw:.1f} GB/s", flush=True)
+              f"{nbytes / t / 1e9:.1f} GB/s, {statistics.median(fracs):.0%} of the bandwidth measured before "
+              f"each of {a.rounds} rounds (median; {min(fracs):.0%}-{max(fracs):.0%}; bandwidth "
+              f"{min(bws):.1f}-{max(bws):.1f} GB/s)", flush=True)
 
 
 def bench_model(a):
@@ -211,13 +222,14 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     big = torch.randn(64 * 2**20)
-    bw = big.nbytes / median_time(lambda: big.sum(), 3) / 1e9
-    del big
-    print(f"read bandwidth (fp32 sum of 256 MiB): {bw:.1f} GB/s\n")
+
+    def read_bandwidth():
+        return big.nbytes / median_time(lambda: big.sum(), 3) / 1e9
+    print(f"read bandwidth (fp32 sum of 256 MiB): {read_bandwidth():.1f} GB/s\n")
     parts = set(a.only or ())
     if not parts:
         parts = ({"ops", "rows", "moe"} if not a.skip_ops else set()) | ({"model"} if not a.skip_model else set())
-    for name, fn in (("ops", bench_ops), ("rows", bench_rows), ("moe", lambda a_: bench_moe(a_, bw)),
+    for name, fn in (("ops", bench_ops), ("rows", bench_rows), ("moe", lambda a_: bench_moe(a_, read_bandwidth)),
                      ("model", bench_model)):
         if name in parts:
             fn(a)

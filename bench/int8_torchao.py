@@ -35,14 +35,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.int8_bench import interleaved, write_results  # noqa: E402
+from bench.int8_bench import LINEARS_ONLY, TORCHAO_SKIP, interleaved, write_results  # noqa: E402
 from bench.int8_quality import add_model_args, loss_of, trained_model_and_rows  # noqa: E402
 from models.glm5 import GLM5ForCausalLM, preset, quantize  # noqa: E402
 from models.glm5.moe import Experts  # noqa: E402
-from models.glm5.quantization import DEFAULT_SKIP, skipped, weight_bytes  # noqa: E402
+from models.glm5.quantization import skipped, weight_bytes  # noqa: E402
 
-TORCHAO_SKIP = DEFAULT_SKIP + ("*.kv_b_proj",)        # what torchao can quantise here: see the docstring
-LINEARS_ONLY = TORCHAO_SKIP + ("*.mlp.experts",)
 
 
 def log(msg):
