@@ -115,6 +115,29 @@ def set_mode(model, mode: str):
 
 # --------------------------------------------------------------------- ops --
 
+def weight_only_prefill(a, c) -> dict:
+    """int8_linear at M = --prefill on the preset's linear shapes (and narrower N, where
+    the digits GEMM stops paying: csrc/cpu/int8_digit_gemm.h's kDigitGemmMinN) against
+    dequantise + sgemm (what int8_linear did before, and torchao's weight-only does)."""
+    shapes = {(n, k_) for n, k_ in [(c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size),
+                                    (c.hidden_size, c.num_attention_heads * c.v_head_dim),
+                                    (c.q_lora_rank, c.hidden_size), (c.hidden_size, c.moe_intermediate_size),
+                                    (2 * c.moe_intermediate_size, c.hidden_size), (64, c.hidden_size),
+                                    (128, c.hidden_size), (192, c.hidden_size)]}
+    out = {}
+    for n, k_ in sorted(shapes):
+        x = torch.randn(a.prefill, k_)
+        q, s = glm5_ops.quantize_int8(torch.randn(n, k_) * k_ ** -0.5)
+        ts = interleaved({"int8_linear": lambda: glm5_ops.int8_linear(x, q, s),
+                          "dequantise_sgemm": lambda: torch.nn.functional.linear(x, q.float() * s[:, None])},
+                         reps=2, rounds=a.rounds)
+        out[f"{n}x{k_}"] = {name: t * 1e3 for name, t in ts.items()}
+        log(f"weight-only prefill M={a.prefill} [{n}x{k_}] ms: int8_linear {ts['int8_linear'] * 1e3:.2f}, "
+            f"dequantise+sgemm {ts['dequantise_sgemm'] * 1e3:.2f} ({ts['dequantise_sgemm'] / ts['int8_linear']:.2f}x; "
+            f"kernel: {'digits GEMM' if torch.ops.glm5.int8_prefill_kernel(k_, n) == 'vnni_digits_gemm' else 'dequantise'})")
+    return out
+
+
 def bench_ops(a) -> dict:
     res = {}
     big = torch.randn(64 * 2**20)       # 256 MiB
@@ -168,6 +191,7 @@ def bench_ops(a) -> dict:
     }, reps=2, rounds=a.rounds)
     res["linear_M_prefill_ms"] = {k: v * 1e3 for k, v in ts.items()}
     log(f"linear M={a.prefill} [{N}x{K}] ms: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ts.items()))
+    res["weight_only_prefill_ms"] = weight_only_prefill(a, c)
 
     E, I, D, k = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.num_experts_per_tok
     # As many MoE layers as the model has, cycled: 6 x 64 experts = 288 MiB in int8, far above L3.

@@ -88,6 +88,10 @@ TORCH_LIBRARY(glm5, m) {
   // which kernel serves int8 decode rows of K elements here: "vnni_digits" (int8 digits of the
   // activations, vpdpbusd), "avx512_fp32" or "portable_fp32" (int8 weights widened to fp32)
   m.def("int8_decode_kernel(int K) -> str");
+  // which kernel serves weight-only int8 prefill (more than 16 rows) of fp32 rows of K elements
+  // into N outputs here: "vnni_digits_gemm" (the digits in oneDNN's int8 GEMM) or
+  // "dequantise_gemm" (the weight dequantised once, the BLAS GEMM)
+  m.def("int8_prefill_kernel(int K, int N) -> str");
 
   // --- The paged cache ---
   // pool[P,D] (mutated), slots int64[N] in [0, P), values[N,D] (pool's dtype): pool[slots[i]] = values[i].

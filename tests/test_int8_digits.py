@@ -46,6 +46,18 @@ def test_decode_takes_the_vnni_kernel_where_the_cpu_has_it(capsys):
         _kernel(-1)
 
 
+def test_prefill_takes_the_digits_gemm_where_it_pays():
+    kernel = torch.ops.glm5.int8_prefill_kernel
+    if VNNI:
+        assert kernel(1024, 256) == "vnni_digits_gemm" and kernel(1, 4096) == "vnni_digits_gemm"
+        assert kernel(1024, 255) == "dequantise_gemm"    # writing the digits costs more than it saves
+        assert kernel(131073, 4096) == "dequantise_gemm"  # the int32 bound
+    else:
+        assert kernel(1024, 4096) == "dequantise_gemm"
+    with pytest.raises(ValueError, match="K and N"):
+        kernel(-1, 3)
+
+
 def _weight(N, K, seed):
     return glm5_ops.quantize_int8(fresh(N, K, seed=seed, scale=K ** -0.5))
 

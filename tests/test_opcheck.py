@@ -161,7 +161,7 @@ def _triton_runs(args) -> bool:
 # nothing to trace. cpu_lane_costs (two constants of the CPU attention kernel)
 # is tested against the kernel's behaviour in tests/test_attention_modes.py;
 # int8_decode_kernel (which int8 decode kernel runs) in tests/test_int8_digits.py.
-NO_TENSOR_OPS = {"cpu_lane_costs", "int8_decode_kernel"}
+NO_TENSOR_OPS = {"cpu_lane_costs", "int8_decode_kernel", "int8_prefill_kernel"}
 
 
 def test_every_op_is_checked():

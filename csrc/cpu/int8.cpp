@@ -611,11 +611,24 @@ std::string int8_decode_kernel(int64_t K) {
 #endif
 }
 
+// Which kernel serves weight-only int8_linear / fused_moe_int8 prefill of fp32 rows of
+// K elements into N outputs on this CPU and build (weight_only_gemm_out's choice).
+std::string int8_prefill_kernel(int64_t K, int64_t N) {
+  TORCH_CHECK_VALUE(K >= 0 && N >= 0, "int8_prefill_kernel: K and N must be >= 0, got K=", K, ", N=", N);
+#if defined(__AVX512F__)
+  if (vnni::use_digit_gemm(K, N)) return "vnni_digits_gemm";
+#endif
+  return "dequantise_gemm";
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace glm5
 
-TORCH_LIBRARY_IMPL(glm5, CompositeExplicitAutograd, m) { m.impl("int8_decode_kernel", &glm5::cpu::int8_decode_kernel); }
+TORCH_LIBRARY_IMPL(glm5, CompositeExplicitAutograd, m) {
+  m.impl("int8_decode_kernel", &glm5::cpu::int8_decode_kernel);
+  m.impl("int8_prefill_kernel", &glm5::cpu::int8_prefill_kernel);
+}
 
 TORCH_LIBRARY_IMPL(glm5, CPU, m) {
   m.impl("int8_quantize_rows", &glm5::cpu::int8_quantize_rows);
