@@ -7,6 +7,11 @@ through oneDNN's int8 GEMM (csrc/cpu/int8_digit_gemm.h): the same bound, and eac
 row the bits the decode kernel gives it alone.
 On a CPU without AVX512_VNNI the same tests run the fp32 path at the usual
 fp32 tolerance; the first test says which path this machine takes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -217,3 +222,21 @@ def test_fused_moe_int8_prefill_digits_against_float64():
     expect = ref.fused_moe_int8(x.double(), wgu, sgu, wd, sd, weights.double(), ids)
     rel = 1e-6 if VNNI else 1e-4
     torch.testing.assert_close(out.double(), expect, rtol=rel, atol=rel * float(expect.abs().max()))
+
+
+@pytest.mark.skipif(not VNNI, reason="the fp32 paths already run here")
+def test_the_fp32_paths_of_cpus_without_vnni_against_the_oracle():
+    """GLM5_NO_VNNI=1 turns the VNNI kernels off: the oracle tests of the int8 ops
+    (decode GEMV tiles, per-head tiles, dequantise + GEMM prefill, MoE) on the fp32
+    paths a CPU without VNNI takes."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, GLM5_NO_VNNI="1")
+    probe = subprocess.run([sys.executable, "-c", "import glm5_ops, torch; "
+                            "print(torch.ops.glm5.int8_decode_kernel(1024), torch.ops.glm5.int8_prefill_kernel(1024, 4096))"],
+                           env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.split() == ["avx512_fp32", "dequantise_gemm"], probe.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_int8.py",
+                          "-k", "matches_oracle and (int8_linear or fused_moe_int8) and not triton and not reference"],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout

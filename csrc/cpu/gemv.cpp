@@ -64,15 +64,16 @@ at::Tensor gemv_op(const at::Tensor& x_in, const at::Tensor& w_in, const c10::op
     const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     if (w.scalar_type() == at::kFloat) {
       const at::Tensor x = x_in.contiguous();
-      gemv::rows_parallel<float>(x.data_ptr<float>(), K, H, M, K, w.data_ptr<float>(), ws, bp, N, y.data_ptr<float>());
+      gemv::rows_parallel<float>(x.data_ptr<float>(), K, H, M, K, w.data_ptr<float>(), ws, nullptr, 0, bp, N,
+                                 y.data_ptr<float>());
     } else {
       const at::Tensor xf = x_in.to(at::kFloat).contiguous();
       const int64_t ldx = gemv::split_len(K);
       std::vector<float> xs(size_t(H * M * ldx));
       for (int64_t m = 0; m < H * M; ++m) gemv::split_pairs(xf.data_ptr<float>() + m * K, K, xs.data() + m * ldx);
       gemv::rows_parallel<gemv::bf16_bits>(xs.data(), ldx, H, M, K,
-                                           reinterpret_cast<const gemv::bf16_bits*>(w.data_ptr()), ws, bp, N,
-                                           y.data_ptr<float>());
+                                           reinterpret_cast<const gemv::bf16_bits*>(w.data_ptr()), ws, nullptr, 0,
+                                           bp, N, y.data_ptr<float>());
     }
   }
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());

@@ -263,23 +263,27 @@ void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, const f
   }
 }
 
+constexpr int64_t kGemvMaxRows = 16;               // at most this many activation rows take a GEMV
+                                                   // path: above it a GEMM reuses each weight row
 constexpr int64_t kParallelTileRows = 8;           // weight rows per work item (the widest tile)
 constexpr int64_t kMinBytesPerThread = 1 << 16;    // below this a second thread costs more than it reads
 
 // rows() over all N weight rows of H heads (1 without heads), split between the threads:
 // head h's x rows at x + h*M*ldx, its weight rows at w + h*ws (contiguous within the
-// head), its y at y + h*M*N. The flat list of (head, row tile) items is split in
-// contiguous ranges, so each thread streams its own range of weight rows once.
+// head), its row scales (int8 weights; or null) at scale + h*ss, its y at y + h*M*N.
+// The flat list of (head, row tile) items is split in contiguous ranges, so each thread
+// streams its own range of weight rows once.
 template <typename W>
 void rows_parallel(const float* x, int64_t ldx, int64_t H, int64_t M, int64_t K, const W* w, int64_t ws,
-                   const float* bias, int64_t N, float* y) {
+                   const float* scale, int64_t ss, const float* bias, int64_t N, float* y) {
   const int64_t per_head = (N + kParallelTileRows - 1) / kParallelTileRows;
   const int64_t tile_bytes = kParallelTileRows * std::max<int64_t>(K, 1) * int64_t(sizeof(W));
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
   at::parallel_for(0, H * per_head, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1;) {
       const int64_t h = t / per_head, end = std::min(t1, (h + 1) * per_head);
-      rows<W>(x + h * M * ldx, ldx, M, K, w + h * ws, nullptr, bias, (t - h * per_head) * kParallelTileRows,
+      rows<W>(x + h * M * ldx, ldx, M, K, w + h * ws, scale ? scale + h * ss : nullptr, bias,
+              (t - h * per_head) * kParallelTileRows,
               std::min(N, (end - h * per_head) * kParallelTileRows), y + h * M * N, N);
       t = end;
     }

@@ -66,7 +66,7 @@ namespace glm5 {
 namespace cpu {
 namespace {
 
-constexpr int64_t kGemvRows = 16;                 // at most this many activation rows take the GEMV path
+constexpr int64_t kGemvRows = gemv::kGemvMaxRows;   // at most this many activation rows take the GEMV path
 constexpr int64_t kTileRows = gemv::kParallelTileRows;
 using gemv::kMinBytesPerThread;
 
@@ -91,11 +91,7 @@ void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* sc
     return;
   }
 #endif
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * std::max<int64_t>(K, 1)));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    gemv::rows<int8_t>(x, K, M, K, w, scale, bias, t0 * kTileRows, std::min(N, t1 * kTileRows), y, N);
-  });
+  gemv::rows_parallel<int8_t>(x, K, 1, M, K, w, 0, scale, 0, bias, N, y);
 }
 
 // y[H,M,N] fp32, y[h] = x[h] @ (w[h] * scale[h])^T: heads ws / ss elements apart in w / scale,
@@ -103,31 +99,22 @@ void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* sc
 // (64 x 256), too small to split one head's rows across threads.
 void gemv_heads(const float* x, int64_t H, int64_t M, int64_t K, const int8_t* w, int64_t ws, const float* scale,
                 int64_t ss, int64_t N, float* y) {
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;   // per head
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * std::max<int64_t>(K, 1)));
-  auto each_head = [&](int64_t t0, int64_t t1, auto&& run) {
-    for (int64_t h = t0 / tiles; h * tiles < t1; ++h) {
-      const int64_t n0 = (std::max(t0, h * tiles) - h * tiles) * kTileRows;
-      const int64_t n1 = std::min(N, (std::min(t1, (h + 1) * tiles) - h * tiles) * kTileRows);
-      run(h, n0, n1);
-    }
-  };
 #if defined(__AVX512F__)
   if (vnni::use_digits(K)) {
+    const int64_t tiles = (N + kTileRows - 1) / kTileRows;   // per head
+    const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (kTileRows * K));
     const vnni::ActDigits digits = vnni::make_digits(x, H * M, K, K);   // row h*M + m: head h's row m
     at::parallel_for(0, H * tiles, grain, [&](int64_t t0, int64_t t1) {
-      each_head(t0, t1, [&](int64_t h, int64_t n0, int64_t n1) {
+      for (int64_t h = t0 / tiles; h * tiles < t1; ++h) {
+        const int64_t n0 = (std::max(t0, h * tiles) - h * tiles) * kTileRows;
+        const int64_t n1 = std::min(N, (std::min(t1, (h + 1) * tiles) - h * tiles) * kTileRows);
         vnni::rows_digits(digits, h * M, M, w + h * ws, n0, n1, scale + h * ss, nullptr, y, N);
-      });
+      }
     });
     return;
   }
 #endif
-  at::parallel_for(0, H * tiles, grain, [&](int64_t t0, int64_t t1) {
-    each_head(t0, t1, [&](int64_t h, int64_t n0, int64_t n1) {
-      gemv::rows<int8_t>(x + h * M * K, K, M, K, w + h * ws, scale + h * ss, nullptr, n0, n1, y + h * M * N, N);
-    });
-  });
+  gemv::rows_parallel<int8_t>(x, K, H, M, K, w, ws, scale, ss, nullptr, N, y);
 }
 
 #if defined(__AVX512F__)

@@ -35,6 +35,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace glm5 {
@@ -49,9 +51,13 @@ constexpr int64_t kPrefetchBytes = 8192;   // gemv_tiles.h's distance; 16 KiB me
 
 // True where the CPU executes vpdpbusd (AVX512_VNNI); checked once. The build
 // targets x86-64-v4, which does not include VNNI, so the kernel carries its
-// own target attribute and runs only where this says so.
+// own target attribute and runs only where this says so. GLM5_NO_VNNI=1 in the
+// environment turns it off, so the fp32 paths of CPUs without VNNI are tested
+// on machines that have it (tests/test_int8_digits.py).
 inline bool cpu_has_vnni() {
   static const bool has = [] {
+    const char* off = std::getenv("GLM5_NO_VNNI");
+    if (off && std::string(off) == "1") return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512vnni") != 0;
   }();

@@ -84,13 +84,12 @@ namespace {
 // GEMV tiles on both threads (csrc/cpu/gemv_tiles.h): MKL's single-threaded sgemv took
 // 24-28 us for the small preset's 256 KB router (cold), ~10 GB/s, in each of its 6 MoE layers.
 at::Tensor router_logits(const at::Tensor& h, const at::Tensor& gate_w) {
-  constexpr int64_t kGemvTokens = 16;   // int8.cpp's kGemvRows: above it a GEMM reuses each weight row
   const int64_t T = h.size(0), D = h.size(1), E = gate_w.size(0);
-  if (T > kGemvTokens || h.scalar_type() != at::kFloat || gate_w.scalar_type() != at::kFloat)
+  if (T > gemv::kGemvMaxRows || h.scalar_type() != at::kFloat || gate_w.scalar_type() != at::kFloat)
     return at::mm(h.to(at::kFloat), gate_w.to(at::kFloat).t()).contiguous();
   const at::Tensor x = h.contiguous(), w = gate_w.contiguous();
   at::Tensor logits = at::empty({T, E}, x.options());
-  gemv::rows_parallel<float>(x.data_ptr<float>(), D, 1, T, D, w.data_ptr<float>(), 0, nullptr, E,
+  gemv::rows_parallel<float>(x.data_ptr<float>(), D, 1, T, D, w.data_ptr<float>(), 0, nullptr, 0, nullptr, E,
                              logits.data_ptr<float>());
   return logits;
 }
