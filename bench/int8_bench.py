@@ -132,9 +132,10 @@ def weight_only_prefill(a, c) -> dict:
                           "dequantise_sgemm": lambda: torch.nn.functional.linear(x, q.float() * s[:, None])},
                          reps=2, rounds=a.rounds)
         out[f"{n}x{k_}"] = {name: t * 1e3 for name, t in ts.items()}
+        kernel = torch.ops.glm5.int8_prefill_kernel(k_, n)
         log(f"weight-only prefill M={a.prefill} [{n}x{k_}] ms: int8_linear {ts['int8_linear'] * 1e3:.2f}, "
-            f"dequantise+sgemm {ts['dequantise_sgemm'] * 1e3:.2f} ({ts['dequantise_sgemm'] / ts['int8_linear']:.2f}x; "
-            f"kernel: {'digits GEMM' if torch.ops.glm5.int8_prefill_kernel(k_, n) == 'vnni_digits_gemm' else 'dequantise'})")
+            f"dequantise+sgemm {ts['dequantise_sgemm'] * 1e3:.2f} "
+            f"({ts['dequantise_sgemm'] / ts['int8_linear']:.2f}x; kernel: {kernel})")
     return out
 
 

@@ -218,8 +218,8 @@ def test_the_fp32_paths_of_cpus_without_vnni_against_the_oracle():
     paths a CPU without VNNI takes."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, GLM5_NO_VNNI="1")
-    probe = subprocess.run([sys.executable, "-c", "import glm5_ops, torch; "
-                            "print(torch.ops.glm5.int8_decode_kernel(1024), torch.ops.glm5.int8_prefill_kernel(1024, 4096))"],
+    probe = subprocess.run([sys.executable, "-c", "import glm5_ops, torch; ops = torch.ops.glm5; "
+                            "print(ops.int8_decode_kernel(1024), ops.int8_prefill_kernel(1024, 4096))"],
                            env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert probe.stdout.split() == ["avx512_fp32", "dequantise_gemm"], probe.stderr[-2000:]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_int8.py",
