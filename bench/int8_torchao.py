@@ -35,7 +35,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.int8_bench import LINEARS_ONLY, TORCHAO_SKIP, interleaved, write_results  # noqa: E402
+from bench.int8_bench import (LINEARS_ONLY, TORCHAO_SKIP, interleaved, torchao_quantizer,  # noqa: E402
+                              write_results)
 from bench.int8_quality import add_model_args, loss_of, trained_model_and_rows  # noqa: E402
 from models.glm5 import GLM5ForCausalLM, preset, quantize  # noqa: E402
 from models.glm5.moe import Experts  # noqa: E402
@@ -49,12 +50,11 @@ def log(msg):
 
 def torchao_api():
     """torchao's quantize_ and its two int8 configs; a clear error when it is missing."""
-    try:
-        from torchao.quantization import (Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig,
-                                          quantize_)
-    except ImportError as e:
-        raise SystemExit(f"torchao is needed for this comparison (pip install glm5-kernel-lab[bench]): {e}")
-    return quantize_, {"wo": Int8WeightOnlyConfig, "w8a8": Int8DynamicActivationInt8WeightConfig}
+    tao = torchao_quantizer()
+    if isinstance(tao, str):
+        raise SystemExit(f"torchao is needed for this comparison (pip install glm5-kernel-lab[bench]): {tao}")
+    quantize_, wo, w8a8 = tao
+    return quantize_, {"wo": wo, "w8a8": w8a8}
 
 
 def torchao_quantized(model, kind: str):
@@ -62,7 +62,7 @@ def torchao_quantized(model, kind: str):
     nn.Linear outside TORCHAO_SKIP."""
     quantize_, configs = torchao_api()
     m = copy.deepcopy(model)
-    quantize_(m, configs[kind](),
+    quantize_(m, configs[kind],
               filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and not skipped(fqn, TORCHAO_SKIP))
     return m
 

@@ -105,10 +105,8 @@ inline void digits_times_w(const ActDigits& d, int64_t r0, int64_t R, const at::
         const int64_t r = r0 + b0 + i;
         float* yr = y + (b0 + i) * N;
         if (!d.finite(r)) {   // NaN or infinity in the row: float64 sums, as the oracle
-          const float* xr = d.xrow(r);
           for (int64_t n = 0; n < N; ++n) {
-            double v = 0.0;
-            for (int64_t k = 0; k < K; ++k) v += double(wp[n * K + k]) * double(xr[k]);
+            const double v = dot_f64(wp + n * K, d.xrow(r), K);
             yr[n] = float(double(scale[n]) * v + (bias ? double(bias[n]) : 0.0));
           }
           continue;

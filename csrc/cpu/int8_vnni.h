@@ -164,6 +164,13 @@ inline ActDigits make_digits(const float* x, int64_t R, int64_t K, int64_t ldx) 
   return a;
 }
 
+// w . x summed in float64, in order: a row with a NaN or an infinity, which gets no digits.
+inline double dot_f64(const int8_t* w, const float* x, int64_t K) {
+  double v = 0.0;
+  for (int64_t k = 0; k < K; ++k) v += double(w[k]) * double(x[k]);
+  return v;
+}
+
 #define GLM5_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // [sum(a), sum(b), sum(c), sum(d)] of four vectors of 16 int32 lanes (wrapping adds):
@@ -276,8 +283,7 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
       } else {
         alignas(32) double vs[4] = {0.0, 0.0, 0.0, 0.0};
         const float* xr = a.xrow(r);
-        for (int j = 0; j < nb; ++j)
-          for (int64_t k = 0; k < K; ++k) vs[j] += double(wr[j][k]) * double(xr[k]);
+        for (int j = 0; j < nb; ++j) vs[j] = dot_f64(wr[j], xr, K);
         v = _mm256_load_pd(vs);
       }
       _mm_mask_storeu_ps(y + r * ldy + n, lanes, _mm256_cvtpd_ps(_mm256_fmadd_pd(sc, v, b)));
