@@ -93,12 +93,27 @@ def sanitize_flags():
     return ["-O1", "-g"] + san + plant, san
 
 
+def shared_libstdcxx() -> list:
+    """The libstdc++ this process runs (torch loaded it), by path, ahead of the
+    driver's own -lstdc++. The GPU machines' g++ (/opt/gcc) finds only a static
+    libstdc++.a: the extension then carries a private copy of the C++ runtime, and
+    every c10::Error thrown in it crashed the process (SIGSEGV) instead of reaching
+    Python as an exception (first device run, 2026-12-06); `-Wl,-Bdynamic -lstdc++`
+    found the same archive. Linked by path, the extension needs libstdc++.so.6."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split()[-1] for line in f if "/libstdc++.so" in line})[:1]
+    except OSError:   # not Linux: the toolchain's default
+        return []
+
+
 def extension():
     sources = ["csrc/ops.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
     san_cxx, san_link = sanitize_flags()
     # the sanitizer flags come last: their -O1 overrides -O3
     cxx = ["-O3", "-fopenmp", "-DGLM5_WITH_OPENMP"] + cpu_arch_flags() + san_cxx
-    kwargs = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=["-fopenmp"] + san_link)
+    link = ["-fopenmp"] + shared_libstdcxx()
+    kwargs = dict(include_dirs=[os.path.join(ROOT, "csrc")], extra_link_args=link + san_link)
     if san_cxx:
         print("[glm5] building CPU kernels only, with ASan + UBSan (GLM5_SANITIZE=1)", flush=True)
         return cx.CppExtension("glm5_ops._C", sources, extra_compile_args={"cxx": cxx}, **kwargs)
