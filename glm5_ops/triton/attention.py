@@ -606,7 +606,7 @@ def _block_dkdv_kernel(
     if V_FROM_K:
         vt = k1
     else:
-        vt, _ = _load_split(v_ptr + b * sv_b + kvh * sv_h + offs_t.to(tl.int64) * sv_t, t_ok, Dv, DV, 0)
+        vt, _v_tail = _load_split(v_ptr + b * sv_b + kvh * sv_h + offs_t.to(tl.int64) * sv_t, t_ok, Dv, DV, 0)
     dv_acc = tl.zeros([BLOCK_N, DV], tl.float32)
     start = _start(qs_ptr, b, S, T, HAS_QS)
     row = (b * Hkv + kvh) * Kb + j
@@ -635,7 +635,9 @@ def _block_dkdv_kernel(
                     ok = ok & (offs_t[None, :] <= (start + offs_s)[:, None])
                 p = _probs(qk, ok, qk_scale, tl.load(lse_ptr + stat, mask=s_ok, other=float("-inf")))   # [M, N]
                 delta = tl.load(delta_ptr + stat, mask=s_ok, other=0.0)
-                do, _ = _load_split(do_ptr + stat * Dv, s_ok, Dv, DV, 0)
+                # not `do, _`: a name the loop carries ([BLOCK_N] rows above) cannot change
+                # shape inside a branch; compiled Triton refuses it, the interpreter does not
+                do, _do_tail = _load_split(do_ptr + stat * Dv, s_ok, Dv, DV, 0)
                 dv_acc = tl.dot(tl.trans(p), do.to(tl.float32), dv_acc, input_precision="ieee")
                 ds = p * (_dot(do, tl.trans(vt), IEEE=IEEE) - delta[:, None])
                 dk1 = tl.dot(tl.trans(ds), q1.to(tl.float32), dk1, input_precision="ieee")

@@ -104,8 +104,8 @@ def int8_quantize_rows(x):
 @triton.jit
 def _mma(a, b, acc, A8: tl.constexpr, PREC: tl.constexpr):
     """acc += a @ b: int8 x int8 into int32 (A8), else b widened to a's dtype, fp32 sums."""
-    if A8:
-        return tl.dot(a, b, acc)
+    if A8:   # out_dtype named: Triton 3.6 asserts it equals acc's dtype (3.8 infers it)
+        return tl.dot(a, b, acc, out_dtype=tl.int32)
     else:
         return tl.dot(a, b.to(a.dtype), acc, input_precision=PREC)
 
