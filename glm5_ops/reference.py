@@ -633,7 +633,9 @@ def int8_quantize_rows(x):
     xf = x.detach().float()
     if xf.shape[-1] == 0:
         return torch.zeros(xf.shape, dtype=torch.int8, device=x.device), torch.zeros(xf.shape[:-1], device=x.device)
-    scale = xf.abs().amax(-1) / 127
+    # max / 127 rounded once from float64: exact, where a CUDA tensor's division by a
+    # Python number multiplies by its reciprocal (1 ulp off the kernels' __fdiv_rn)
+    scale = (xf.abs().amax(-1).double() / 127).float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
     q = torch.where(scale[..., None] > 0, torch.round(xf / safe), torch.zeros_like(xf))
     return q.clamp(-127, 127).to(torch.int8), scale

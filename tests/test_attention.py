@@ -2,8 +2,8 @@
 predictor, every backend against glm5_ops/reference.py, forward and backward.
 
 Tolerances: fp32 relative error (max |diff| / max |ref|) <= 1e-5 forward and
-<= 1e-4 for gradients; fp16/bf16 at most 2x the error of the reference run in
-that precision, both measured against the fp32 reference on the same
+<= 1e-4 for gradients; fp16/bf16 at most 2x (3x on CUDA: conftest's
+LOW_PRECISION_FACTOR) the error of the reference run in that precision, both measured against the fp32 reference on the same
 (rounded) inputs, plus 1e-6 absolute slack for results that round exactly.
 """
 import os
@@ -16,7 +16,7 @@ import torch
 
 import glm5_ops
 from glm5_ops import reference as R
-from conftest import DEVICE, INTERPRETED, big_ok, fresh
+from conftest import DEVICE, INTERPRETED, LOW_PRECISION_FACTOR, big_ok, fresh
 
 LOW_PRECISION = [torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
 
@@ -71,7 +71,7 @@ def compare(ours, ref32, ref_lp, dtype):
         if dtype == torch.float32:
             tol = 1e-5 if name in ("out", "lse") else 1e-4
         else:
-            tol = 2 * rel_err(rl, r) + 1e-6
+            tol = LOW_PRECISION_FACTOR * rel_err(rl, r) + 1e-6
         assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
 
 
@@ -337,7 +337,7 @@ def test_block_sparse_matches_flex_attention():
     def mask_mod(b, h, q_idx, kv_idx):
         return blocks[b, h, q_idx // bs, kv_idx // bs] & (kv_idx <= q_idx)
 
-    fmask = create_block_mask(mask_mod, B, Hq, S, T, device="cpu", BLOCK_SIZE=bs)
+    fmask = create_block_mask(mask_mod, B, Hq, S, T, device=DEVICE, BLOCK_SIZE=bs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref, aux = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=fmask,

@@ -28,7 +28,7 @@ def _tokens(T, seed):
 def test_bias_update_balances_a_skewed_router_without_touching_the_gates():
     gate_w = _skewed_router()
     held_out = _tokens(32768, seed=123)
-    bal = ExpertBalancer(E, top_k=2, rate=1e-3)  # DeepSeek-V3's rate
+    bal = ExpertBalancer(E, top_k=2, rate=1e-3, device=DEVICE)  # DeepSeek-V3's rate
     _, ids0 = bal.route(held_out, gate_w)
     assert max_violation(expert_load(ids0, E)) > 2.0  # strongly skewed to start with
     vio = []

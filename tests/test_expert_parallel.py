@@ -42,7 +42,7 @@ def test_expert_range_and_one_rank_group():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         x, wgu, wd = fresh(9, 8, seed=1), fresh(4, 6, 8, seed=2), fresh(4, 8, 3, seed=3)
-        w, ids = fresh(9, 2, seed=4), torch.randint(0, 4, (9, 2), dtype=torch.int32)
+        w, ids = fresh(9, 2, seed=4), torch.randint(0, 4, (9, 2), dtype=torch.int32, device=x.device)
         torch.testing.assert_close(ep_fused_moe(x, wgu, wd, w, ids, num_experts=4),
                                    glm5_ops.fused_moe(x, wgu, wd, w, ids), rtol=1e-5, atol=1e-6)
         with pytest.raises(ValueError, match=r"ids must hold global expert ids of num_experts=4"):

@@ -170,8 +170,8 @@ BAD = [
     ("int x", lambda w, s: glm5_ops.w8a8_linear(torch.ones(2, 16, dtype=torch.int32), w, s), TypeError, "x must"),
     ("0-d x", lambda w, s: glm5_ops.quantize_int8(fresh(())), ValueError, "0-d"),
     ("int8 x to quantize", lambda w, s: glm5_ops.quantize_int8(w), TypeError, "x must have dtype"),
-    ("w8a8 K too large", lambda w, s: glm5_ops.w8a8_linear(fresh(1, 131073), torch.ones(1, 131073, dtype=torch.int8),
-                                                           torch.ones(1)), ValueError, "K <= 131072"),
+    ("w8a8 K too large", lambda w, s: glm5_ops.w8a8_linear(fresh(1, 131073), torch.ones(1, 131073, dtype=torch.int8, device=DEVICE),
+                                                           torch.ones(1, device=DEVICE)), ValueError, "K <= 131072"),
 ]
 
 

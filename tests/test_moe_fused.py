@@ -94,6 +94,8 @@ def test_fp32_matches_reference(impl, poisoned, T, D, I, E, k, kind):
 def test_other_dtypes(impl, poisoned, dtype, T, D, I, E, k, kind):
     if impl == "triton" and INTERPRETED and dtype != torch.float16:
         pytest.skip("the Triton interpreter runs fp32/fp16 only")
+    if impl == "triton" and dtype == torch.float64:
+        pytest.skip("Triton has no float64 kernels")
     x, wgu, wd, w, ids = _inputs(T, D, I, E, k, kind, dtype, seed=T + D)
     dout = fresh(T, D, dtype=dtype, seed=T + 5)
     got = _run(glm5_ops.fused_moe, x, wgu, wd, w, ids, dout)
