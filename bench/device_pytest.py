@@ -20,10 +20,10 @@ SPLIT = ("test_attention.py", "test_indexer.py", "test_topk.py", "test_moe.py", 
          "test_compress.py", "test_device_*.py")
 # Shards that never call the C++/CUDA kernels start while the extension builds:
 # these Triton files, and the Triton part of these split files.
-NO_BUILD_FILES = ("test_triton_attention.py", "test_triton_indexer.py", "test_triton_moe.py")
-NO_BUILD_TRITON_PARTS = ("test_attention.py", "test_indexer.py", "test_topk.py", "test_moe_fused.py",
-                         "test_device_attention.py", "test_device_indexer.py", "test_device_moe.py",
-                         "test_device_topk.py")
+# The attention and MoE Triton tests also call C++ ops (the first device run,
+# 2026-12-06, failed them all with "glm5_ops._C is not built"): they wait.
+NO_BUILD_FILES = ("test_triton_indexer.py", "test_triton_moe.py")
+NO_BUILD_TRITON_PARTS = ("test_indexer.py", "test_topk.py", "test_device_indexer.py", "test_device_topk.py")
 # Rough cost, for starting the longest first (Triton compiles dominate on a cold cache).
 HEAVY = {"test_triton_attention.py": 10, "test_attention.py": 8, "test_device_attention.py": 8, "test_model.py": 6,
          "test_triton_moe.py": 6, "test_indexer.py": 6, "test_device_moe.py": 5, "test_moe_fused.py": 5}
@@ -33,13 +33,18 @@ def _matches(name: str, patterns) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in patterns)
 
 
-def shards(pattern: str, out_dir: str, limit_s: float, pytest_args: list, threads: int = 1) -> list:
-    """One Job per shard of the test files matching `pattern` (relative to the repo
-    root); each shard's torch gets `threads` CPU threads (the cores over the shards)."""
+def shards(pattern: str, out_dir: str, limit_s: float, pytest_args: list, threads: int = 1,
+           exclude=()) -> list:
+    """One Job per shard of the test files matching `pattern` (globs relative to the
+    repo root, comma-separated) and none of the file-name globs in `exclude`; each shard's torch gets
+    `threads` CPU threads (the cores over the shards)."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = []
-    for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+    paths = {p for pat in pattern.split(",") for p in glob.glob(os.path.join(ROOT, pat.strip()))}
+    for path in sorted(paths):
         name = os.path.basename(path)
+        if _matches(name, exclude):
+            continue
         parts = BY_BACKEND.items() if _matches(name, SPLIT) else [("", None)]
         for part, expr in parts:
             label = name[:-3] + (f"[{part}]" if part else "")

@@ -35,7 +35,13 @@ in parallel, bounded by topk.cu ~60 s); the tests ~4-5 min in all, build include
 specialisations, spread over 12 processes; each pytest process ~5 s of start-up);
 the timings ~3-4 min (five modules, tens of timed calls of at most a second each,
 their Triton kernels compiled during the tests). --quick trims the timings only.
-The dry run (--device cpu --quick) runs tests/test_device_*.py through the same
+Measured on the first device run (H100, 2026-12-06, bench/RESULTS.md): build 81-90 s,
+a 270 s tests phase left 9 shards at their limit (cold Triton cache; the attention
+files, test_model, test_compiled_decode, test_serving_engine), timings 65 s (--quick);
+353 s in all. The device image has no fastapi/uvicorn/openai: pass --exclude
+'test_server_*.py,test_int8_serving.py'. Before a device session, run
+bench/triton_compile_check.py (every Triton launch of the tests compiled for sm_90
+here). The dry run (--device cpu --quick) runs tests/test_device_*.py through the same
 shards (the other files run on the CPU through scripts/test.sh) and the timing
 modules on small CPU shapes, cpp backend: about 5 minutes on a 2-core machine.
 """
@@ -66,8 +72,11 @@ def parse_args():
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-timings", action="store_true")
     ap.add_argument("--tests", default=None,
-                    help="test files to shard, a glob from the repo root (default tests/test_*.py; CPU "
+                    help="test files to shard, globs from the repo root, comma-separated (default tests/test_*.py; CPU "
                          "tests/test_device_*.py)")
+    ap.add_argument("--exclude", default="",
+                    help="comma list of test file names (globs) to leave out, e.g. the server tests where "
+                         "fastapi/openai are not installed")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments for every shard, e.g. \"-k bf16\"")
     ap.add_argument("--backends", default=None, help="timed backends (default cpp,triton; CPU cpp)")
     ap.add_argument("--only", default="", help="comma list: time only the cases whose 'group | impl' contains one")
@@ -136,7 +145,8 @@ def main() -> int:
     if not args.skip_tests:
         pattern = args.tests or ("tests/test_device_*.py" if cpu else "tests/test_*.py")
         shard_jobs = shards(pattern, os.path.join(args.out, "pytest"), args.shard_s or (900 if cpu else 300),
-                            shlex.split(args.pytest_args), threads=max(1, ncpu // jobs))
+                            shlex.split(args.pytest_args), threads=max(1, ncpu // jobs),
+                            exclude=[p for p in args.exclude.split(",") if p])
         warm = [] if cpu or args.skip_timings or "triton" not in backends else \
             [timing_job(m, args, ["triton"], args.out, warm=True) for m in TIMING_MODULES]
         phase_s = args.tests_phase_s or (None if cpu else 390)
