@@ -1,6 +1,8 @@
 """bench/device_run.py's test phase, on the CPU: the per-backend shards of a file
 partition its tests (none lost, none run twice), and the results plugin reports
-every outcome, a collection error included, so the summary misses nothing."""
+every outcome, a collection error included, so the summary misses nothing; and
+bench/triton_compile_check.py, the pre-flight check, finds a kernel that does not compile."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -89,3 +91,55 @@ def test_shard_summary_flags_unfinished_shards(tmp_path, end, want_failures):
     assert r["passed"] == 1 and len(r["failures"]) == want_failures
     if end == "time limit":
         assert "the tests after its last result are missing" in r["failures"][-1]
+
+
+KERNELS = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def doubles(x_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < N) * 2, mask=offs < N)
+
+
+@triton.jit
+def reshapes_a_carried_value(x_ptr, N, BLOCK: tl.constexpr):
+    v = tl.zeros([BLOCK], tl.float32)
+    for i in range(0, N):
+        if i >= 0:   # the interpreter lets a loop-carried value change shape; the compiler does not
+            v = tl.zeros([2 * BLOCK], tl.float32)
+    tl.store(x_ptr + tl.arange(0, 2 * BLOCK), v)
+'''
+
+LAUNCHES = '''
+import torch
+import probe_kernels
+
+
+def test_launch():
+    x = torch.ones(64)
+    probe_kernels.doubles[(1,)](x, 40, BLOCK=64)
+    probe_kernels.reshapes_a_carried_value[(1,)](x, 2, BLOCK=16)
+'''
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_compile_check_finds_a_kernel_the_interpreter_runs(tmp_path):
+    """bench/triton_compile_check.py: both probe kernels run under the interpreter;
+    compiled for sm_90 (no GPU), the one whose loop-carried value changes shape fails."""
+    (tmp_path / "probe_kernels.py").write_text(KERNELS)
+    (tmp_path / "test_probe_launches.py").write_text(LAUNCHES)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    env.pop("TRITON_INTERPRET", None)
+    launches = str(tmp_path / "launches.jsonl")
+    tool = os.path.join(BENCH, "triton_compile_check.py")
+    rec = subprocess.run([sys.executable, tool, "record", launches, str(tmp_path / "test_probe_launches.py")],
+                         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert rec.returncode == 0 and "recorded 2 distinct launches" in rec.stdout, rec.stdout[-2000:] + rec.stderr[-2000:]
+    out = subprocess.run([sys.executable, tool, "compile", launches], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "1 of 2 launches compiled for sm_90" in out.stdout
+    assert "FAIL reshapes_a_carried_value" in out.stdout and "FAIL doubles" not in out.stdout
