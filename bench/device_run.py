@@ -6,6 +6,13 @@ and reference), then time the benchmarks. Writes everything under --out.
     PYTHONUNBUFFERED=1 python bench/device_run.py 2>&1 | tee $OUT/device_run.log
     python bench/device_run.py --device cpu --quick       # the dry run on the CPU
 
+On the lab's GPU machines (15 minutes a session, at most 8 files back from $OUT):
+
+    export PYTHONUNBUFFERED=1; set -o pipefail
+    timeout 470 python3 bench/device_run.py --quick --tests-phase-s 270 --out /tmp/dr \
+        --exclude 'test_server_*.py,test_int8_serving.py' 2>&1 | tee $OUT/device_run.log
+    tar czf $OUT/dr.tgz -C /tmp/dr .
+
 1. Build, in the background (bench/device_jobs.py): if glm5_ops._C is missing or
    has no CUDA kernels, setup.py build_ext with TORCH_CUDA_ARCH_LIST=9.0a and
    MAX_JOBS = cores, renamed into glm5_ops/ once complete; log in out/build.log.
