@@ -143,3 +143,17 @@ def test_triton_compile_check_finds_a_kernel_the_interpreter_runs(tmp_path):
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     assert "1 of 2 launches compiled for sm_90" in out.stdout
     assert "FAIL reshapes_a_carried_value" in out.stdout and "FAIL doubles" not in out.stdout
+
+
+def test_server_tests_left_out_without_their_packages(monkeypatch, tmp_path):
+    import device_run
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openai" else real(name, *a))
+    skip = device_run.server_tests_to_skip()
+    assert skip == device_run.SERVER_TESTS
+    names = {j.name for j in shards("tests/test_server_api.py,tests/test_int8_serving.py,tests/test_build.py",
+                                    str(tmp_path), 60, [], exclude=skip)}
+    assert names == {"test_build"}
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    present = all(real(m) is not None for m in device_run.SERVER_PACKAGES)
+    assert device_run.server_tests_to_skip() == ([] if present else device_run.SERVER_TESTS)

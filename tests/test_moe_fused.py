@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import glm5_ops
-from conftest import DEVICE, INTERPRETED, big_ok, fresh
+from conftest import DEVICE, INTERPRETED, LOW_PRECISION_FACTOR, big_ok, fresh
 from glm5_ops import reference
 
 ops = torch.ops.glm5
@@ -105,8 +105,9 @@ def test_other_dtypes(impl, poisoned, dtype, T, D, I, E, k, kind):
         assert g.dtype == r.dtype and torch.isfinite(g).all(), name
         if dtype == torch.float64:
             assert _rel(g, t) <= 1e-12, name
-        else:  # within 2x the reference's own rounding error in this precision (+ fp32 noise)
-            assert _rel(g, t) <= 2 * _rel(r, t) + 1e-6, f"{name}: {_rel(g, t):.2e} vs ref {_rel(r, t):.2e}"
+        else:  # within 2x (3x on CUDA) the reference's own rounding error in this precision (+ fp32 noise)
+            assert _rel(g, t) <= LOW_PRECISION_FACTOR * _rel(r, t) + 1e-6, \
+                f"{name}: {_rel(g, t):.2e} vs ref {_rel(r, t):.2e}"
 
 
 def test_big_expert_paths(impl):

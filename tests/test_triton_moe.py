@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import DEVICE, INTERPRETED, fresh  # noqa: E402
+from conftest import DEVICE, INTERPRETED, LOW_PRECISION_FACTOR, fresh  # noqa: E402
 from glm5_ops import reference  # noqa: E402
 from glm5_ops._backend import triton_module  # noqa: E402
 
@@ -185,19 +185,20 @@ def test_fused_fp32(poisoned, T, E, k, D, I, kind):
 @pytest.mark.parametrize("dtype", LOW)
 def test_fused_low_precision(poisoned, T, E, k, D, I, kind, dtype):
     """Inputs rounded to dtype: the error vs the fp32 oracle on the fp32 inputs
-    stays within 2x of the reference's own error when run on the rounded inputs."""
+    stays within 2x (3x on CUDA: LOW_PRECISION_FACTOR) of the reference's own error
+    when run on the rounded inputs."""
     x, wgu, wd, weights, ids, dout = _fused_inputs(T, E, k, D, I, kind, seed=T * 11 + E)
     ref32, grads32 = _reference_grads(x, wgu, wd, weights, ids, dout)
     low = [t.to(dtype) for t in (x, wgu, wd)]
     ref_lo, grads_lo = _reference_grads(*low, weights, ids, dout.to(dtype))
     out = tm.fused_moe_fwd(*low, weights, ids)
     assert out.dtype == dtype
-    assert rel_err(out, ref32) <= 2 * rel_err(ref_lo, ref32) + 1e-6
+    assert rel_err(out, ref32) <= LOW_PRECISION_FACTOR * rel_err(ref_lo, ref32) + 1e-6
     grads = tm.fused_moe_bwd(dout.to(dtype), *low, weights, ids)
     for name, got, lo, want in zip(("dx", "dw_gate_up", "dw_down", "dweights"), grads, grads_lo, grads32):
         assert got.dtype == lo.dtype and torch.isfinite(got).all(), name
         err, base = rel_err(got, want), rel_err(lo, want)
-        assert err <= 2 * base + 1e-6, f"{name}: rel err {err:.2e} vs the reference's {base:.2e}"
+        assert err <= LOW_PRECISION_FACTOR * base + 1e-6, f"{name}: rel err {err:.2e} vs the reference's {base:.2e}"
 
 
 def test_fused_rejects_bad_dtypes():
