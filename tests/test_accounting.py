@@ -117,9 +117,9 @@ def test_flops_match_transformers_forward(kw):
     mask drops the rest), so its FLOPs are ours per token for the weights plus
     S keys per query for the expanded attention core and the indexer."""
     from torch.utils.flop_counter import FlopCounterMode
-    if transformers.__version__ != pinned_transformers():   # 5.17.0 (the GPU image's) counts 4 more a token
-        pytest.skip(f"FLOPs are counted over transformers=={pinned_transformers()}'s forward, "
-                    f"not {transformers.__version__}'s")
+    pinned = pinned_transformers()
+    if transformers.__version__ != pinned:   # 5.17.0 (the GPU image's) counts 4 more a token
+        pytest.skip(f"FLOPs are counted over transformers=={pinned}'s forward, not {transformers.__version__}'s")
     cfg = random_config(**kw)
     torch.manual_seed(0)
     model = hf_model(cfg, device="cpu").eval()

@@ -11,7 +11,7 @@
 //                w_down int8 [E,D,I], down_scale fp32 [E,D], weights[T,k], ids int32 [T,k]) -> [T,D]
 //
 // Why these paths (bench/int8_bench.py measures them; bench/RESULTS.md, "INT8"):
-// - Few rows (decode, M <= kGemvRows): the weights are the traffic. Where the
+// - Few rows (decode, M <= kGemvMaxRows): the weights are the traffic. Where the
 //   CPU has AVX512_VNNI (checked at run time; the build's x86-64-v4 does not
 //   include it) and K <= 131072, int8_vnni.h: each activation row written once
 //   as three int8 digits (max|x|/127, /254, /254; residual <= 6.1e-8 max|x| per
@@ -33,7 +33,7 @@
 //   at::_int_mm (oneDNN's u8s8 VNNI GEMM on this CPU), which measured faster
 //   than an fp32 or bf16 GEMM at prefill sizes.
 // - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
-//   expert; when no expert has more than kGemvRows rows (decode, T <= 16 with
+//   expert; when no expert has more than kGemvMaxRows rows (decode, T <= 16 with
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
 //   (expert, 8-row tile) items split evenly between the threads (with AVX-512
 //   each item's rows read one after another: one sequential stream per thread;
@@ -66,8 +66,8 @@ namespace glm5 {
 namespace cpu {
 namespace {
 
-constexpr int64_t kGemvRows = gemv::kGemvMaxRows;   // at most this many activation rows take the GEMV path
 constexpr int64_t kTileRows = gemv::kParallelTileRows;
+using gemv::kGemvMaxRows;   // at most this many activation rows take the GEMV path
 using gemv::kMinBytesPerThread;
 
 // Elements per thread below which row loops stay on the calling thread: a decode
@@ -413,7 +413,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
   const int64_t M = x.size(0), K = x.size(1), N = w_in.size(0);
   const at::Tensor w = w_in.contiguous(), scale = scale_in.contiguous();
   const auto bias = fp32_bias(bias_in);
-  if (M > kGemvRows) return weight_only_gemm(x, w, scale, bias);   // compute-bound
+  if (M > kGemvMaxRows) return weight_only_gemm(x, w, scale, bias);   // compute-bound
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   auto y = at::empty({M, N}, xf.options());
   if (M > 0 && N > 0)
@@ -493,7 +493,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   float* ys = y_sorted.data_ptr<float>();
   int64_t busiest = 0;
   for (int64_t e = 0; e < E; ++e) busiest = std::max(busiest, offsets[e + 1] - offsets[e]);
-  if (busiest <= kGemvRows) {   // decode: every chosen expert's int8 rows streamed once, all experts in one pass
+  if (busiest <= kGemvMaxRows) {   // decode: every chosen expert's int8 rows streamed once, all experts in one pass
     std::vector<int64_t> active;
     for (int64_t e = 0; e < E; ++e)
       if (offsets[e + 1] > offsets[e]) active.push_back(e);
@@ -538,7 +538,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       if (n == 0) continue;
       const at::Tensor wgu_e = wgu[e], wd_e = wd[e], gus_e = gus[e], ds_e = ds[e];
       at::Tensor h = at::empty({n, I2}, x.options());
-      if (n > kGemvRows && token_digits) {
+      if (n > kGemvMaxRows && token_digits) {
 #if defined(__AVX512F__)
         vnni::digits_times_w(xd, r0, n, wgu_e, gus_e.data_ptr<float>(), nullptr, h.data_ptr<float>());
 #endif
@@ -548,7 +548,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
         at::parallel_for(0, n, row_grain(D), [&](int64_t a0, int64_t a1) {
           for (int64_t r = a0; r < a1; ++r) std::copy_n(xp + (pair_of[r0 + r] / k) * D, D, xsp + r * D);
         });
-        if (n <= kGemvRows)
+        if (n <= kGemvMaxRows)
           gemv(xsp, n, D, wgu_e.data_ptr<int8_t>(), gus_e.data_ptr<float>(), nullptr, I2, h.data_ptr<float>());
         else if (w8a8)
           int8_gemm_out(h.data_ptr<float>(), xs, wgu_e, gus_e, nullptr);
@@ -558,7 +558,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       const at::Tensor a = at::empty({n, I}, x.options());
       silu_mul_rows(h, a);
       at::Tensor y = y_sorted.narrow(0, r0, n);
-      if (n <= kGemvRows)
+      if (n <= kGemvMaxRows)
         gemv(a.data_ptr<float>(), n, I, wd_e.data_ptr<int8_t>(), ds_e.data_ptr<float>(), nullptr, D, ys + r0 * D);
       else if (w8a8)
         int8_gemm_out(ys + r0 * D, a, wd_e, ds_e, nullptr);

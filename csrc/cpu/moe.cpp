@@ -77,9 +77,6 @@ struct RouteScratch {
   std::vector<char> keep;
 };
 
-}  // namespace
-
-namespace {
 // h @ gate_w^T in fp32 [T, E]. A decode step's few tokens stream gate_w through the
 // GEMV tiles on both threads (csrc/cpu/gemv_tiles.h): MKL's single-threaded sgemv took
 // 24-28 us for the small preset's 256 KB router (cold), ~10 GB/s, in each of its 6 MoE layers.
