@@ -38,6 +38,7 @@ import torch
 
 import glm5_ops
 from glm5_ops._checks import INT32_MAX, int_in_range
+from glm5_ops.memory import huge_page_empty
 
 from .config import GLM5Config
 
@@ -65,9 +66,10 @@ class KVPool:
         slots = num_pages * page_size
         # One slot past the pages: the null slot padding reads (zeros: finite whatever is masked).
         self.null_slot = slots
-        self.latent = torch.empty(self.num_layers(c), slots + 1, c.latent_dim, dtype=dtype, device=device)
+        # huge pages: a step reads index_topk scattered rows a layer (glm5_ops/memory.py)
+        self.latent = huge_page_empty((self.num_layers(c), slots + 1, c.latent_dim), dtype, device)
         self.latent[:, slots].zero_()
-        self.index_k = {i: torch.empty(slots + 1, c.index_head_dim, dtype=dtype, device=device)
+        self.index_k = {i: huge_page_empty((slots + 1, c.index_head_dim), dtype, device)
                         for i in self.indexed_layers(c)}
         for keys in self.index_k.values():
             keys[slots].zero_()

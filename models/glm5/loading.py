@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from glm5_ops.memory import weights_on_huge_pages
+
 from .config import GLM5Config
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -182,4 +184,5 @@ def load_pretrained(cls, path: str, *, dtype=None, device="cpu", verbose: bool =
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    weights_on_huge_pages(model)   # decode streams them: glm5_ops/memory.py says why
     return model.eval()

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from glm5_ops._checks import INDEX_DTYPES, INT32_MAX, dtype_name, int_in_range
+from glm5_ops.memory import weights_on_huge_pages
 from glm5_ops.nvtx import nvtx_range
 
 from .cache import CacheView
@@ -223,6 +224,7 @@ class GLM5ForCausalLM(nn.Module):
         self._decode_layers = None               # compile_decode()'s compiled _layers
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
+            weights_on_huge_pages(self)   # decode streams them: glm5_ops/memory.py says why
 
     @torch.no_grad()
     def init_weights(self, std: float | None = None):

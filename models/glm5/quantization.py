@@ -38,6 +38,7 @@ from torch import nn
 
 import glm5_ops
 from glm5_ops.int8 import W8A8_MIN_ROWS
+from glm5_ops.memory import weights_on_huge_pages
 
 from .moe import Experts, Router
 
@@ -185,6 +186,7 @@ def quantize(model: nn.Module, mode: str = "int8_weight_only", skip=None) -> nn.
         setattr(model.get_submodule(parent_name), attr, new)
         done.append(name)
     model.quantization = {"mode": mode, "skip": list(patterns), "quantized": done}
+    weights_on_huge_pages(model)   # the new int8 weights: decode streams them (glm5_ops/memory.py)
     return model
 
 
@@ -273,4 +275,5 @@ def load_quantized(cls, path: str, *, device="cpu", **model_kwargs):
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
+    weights_on_huge_pages(model)   # decode streams them: glm5_ops/memory.py says why
     return model.eval()
