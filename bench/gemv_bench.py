@@ -18,6 +18,9 @@ kernel streams the weights (bench/RESULTS.md, "Decode linear layers").
    --compile, each model's eager gemv steps against its compile_decode() steps
    (F.linear left out: the plan's rows are read while tracing, so toggling them
    would recompile).
+Pages: (2) and (3) read their weight sets from torch's allocator (4 KiB pages), each
+kernel and its sum alike; (4), its bandwidth sum and (5) from huge pages, as the lab's
+models keep their weights (glm5_ops/memory.py).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import glm5_ops  # noqa: E402
 from glm5_ops import plan  # noqa: E402
+from glm5_ops.memory import on_huge_pages, weights_on_huge_pages  # noqa: E402
 from models.glm5 import DEFAULT_SKIP, GLM5ForCausalLM, preset, quantize  # noqa: E402
 
 L3 = 32 * 2**20
@@ -119,8 +123,9 @@ def bench_moe(a, bw):
     E, I, D, k = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.num_experts_per_tok
     layers = []
     for _ in range(sum(t == "sparse" for t in c.mlp_layer_types)):
-        layers.append((*glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5),
-                       *glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)))
+        layers.append(tuple(map(on_huge_pages, (         # as the model keeps its experts
+            *glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5),
+            *glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)))))
     expert_bytes = 3 * I * D + 4 * (2 * I + D)
     for T in (1, 4, 16):
         # Every call routes afresh (new ids, layers in turn), and enough calls are cycled
@@ -160,6 +165,8 @@ def bench_model(a):
               # What the fp32 LM head of DEFAULT_SKIP costs: 131 MB of the small preset's step.
               "int8 +head": quantize(copy.deepcopy(fp32), "int8_weight_only",
                                      skip=tuple(s for s in DEFAULT_SKIP if s != "lm_head"))}
+    for m in models.values():      # deepcopy and .to() leave 4 KiB pages; the lab's models are placed
+        weights_on_huge_pages(m)
     ids = torch.randint(0, c.vocab_size, (1, a.context + a.steps + 2))
     caches = {}
     with torch.inference_mode():   # as the engine decodes: no autograd work per op
@@ -221,7 +228,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    big = torch.randn(64 * 2**20)
+    big = on_huge_pages(torch.randn(64 * 2**20))   # the ceiling read as the weights are: on huge pages
 
     def read_bandwidth():
         return big.nbytes / median_time(lambda: big.sum(), 3) / 1e9

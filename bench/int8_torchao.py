@@ -35,8 +35,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.int8_bench import (LINEARS_ONLY, TORCHAO_SKIP, interleaved, torchao_quantizer,  # noqa: E402
-                              write_results)
+from bench.int8_bench import (LINEARS_ONLY, TORCHAO_SKIP, interleaved, placed_alike,  # noqa: E402
+                              torchao_quantizer, write_results)
 from bench.int8_quality import add_model_args, loss_of, trained_model_and_rows  # noqa: E402
 from models.glm5 import GLM5ForCausalLM, preset, quantize  # noqa: E402
 from models.glm5.moe import Experts  # noqa: E402
@@ -69,8 +69,9 @@ def torchao_quantized(model, kind: str):
 
 def variants(model) -> dict:
     """name -> model. Ours in w8a8 mode runs decode-size calls weight-only
-    (Int8Linear, fused_moe_int8); torchao's dynamic config quantises every call."""
-    return {
+    (Int8Linear, fused_moe_int8); torchao's dynamic config quantises every call. All on
+    huge pages alike (placed_alike)."""
+    return {name: placed_alike(m) for name, m in {
         "fp32": model,
         "ours int8_weight_only": quantize(copy.deepcopy(model), "int8_weight_only"),
         "ours int8_weight_only, linears only": quantize(copy.deepcopy(model), "int8_weight_only", LINEARS_ONLY),
@@ -78,7 +79,7 @@ def variants(model) -> dict:
         "ours w8a8": quantize(copy.deepcopy(model), "w8a8"),
         "ours w8a8, linears only": quantize(copy.deepcopy(model), "w8a8", LINEARS_ONLY),
         "torchao Int8DynamicActivationInt8WeightConfig": torchao_quantized(model, "w8a8"),
-    }
+    }.items()}
 
 
 def probe_experts(model) -> dict:
