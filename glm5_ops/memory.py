@@ -9,12 +9,14 @@ what runs after reset_peak_rss().
 Huge pages. A batch-1 decode step reads every weight it uses once, from DRAM.
 On 4 KiB pages each 4 KiB of a weight costs a TLB miss and a page walk on top
 of its cache lines; on 2 MiB pages one walk covers 512 times as much. The same
-fp32 GEMV over a 128 MiB LM head ran 1.05x faster from huge pages (12 of 12
-alternating calls), and the whole compiled `small` decode step 1.13x (12 of 12
-alternating blocks; bench/RESULTS.md, "Huge pages"). torch's allocator asks for
-them only under THP_MEM_ALLOC_ENABLE=1, read once before the first allocation,
-for every tensor; here the weights (and the paged cache) ask for them where
-they are made: construction, loading, quantization, the cache.
+fp32 GEMV over a 125 MiB LM head ran 1.05x faster from huge pages (10 of 12
+alternating calls), and the whole compiled `small` decode step 1.13-1.22x (12 of
+12 alternating blocks in each of two runs; bench/RESULTS.md, "Huge pages").
+llama.cpp gets them from its mmap of the GGUF file (the page cache's large
+folios). torch's allocator asks for them only under THP_MEM_ALLOC_ENABLE=1, read
+once before the first allocation, for every tensor; here the weights (and the
+paged cache) ask for them where they are made: construction, loading,
+quantization, the cache.
 """
 from __future__ import annotations
 
@@ -127,8 +129,8 @@ def weights_on_huge_pages(module: torch.nn.Module) -> int:
     for sub in module.modules():
         for kind in (sub._parameters, sub._buffers):
             for name, t in kind.items():
-                if t is None or t.is_meta:
-                    continue
+                if t is None or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                    continue   # a tensor subclass (DTensor, torchao's) has its own storage story
                 if id(t) in placed:
                     kind[name] = placed[id(t)]
                     continue
