@@ -290,8 +290,8 @@ def bench_model(a) -> dict:
         res["decode_tok_s"] = {n: a.decode_steps / t for n, t in ts.items()}
         log("decode tokens/s: " + ", ".join(f"{k} {v:.2f}" for k, v in res["decode_tok_s"].items()))
 
-        pre = {"fp32": fp32, "bf16": models["bf16"], "w8a8": placed_alike(set_mode(quantize(copy.deepcopy(fp32), "w8a8"), "w8a8")),
-               "int8": models["int8"]}
+        w8a8 = placed_alike(set_mode(quantize(copy.deepcopy(fp32), "w8a8"), "w8a8"))
+        pre = {"fp32": fp32, "bf16": models["bf16"], "w8a8": w8a8, "int8": models["int8"]}
         if not isinstance(tao, str):
             pre["torchao_w8a8"] = models["torchao_w8a8"]
         x = ids[:, :a.prefill]

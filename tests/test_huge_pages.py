@@ -150,7 +150,6 @@ def test_model_construction_loading_quantization_and_cache_place_their_big_tenso
     monkeypatch.delenv("GLM5_HUGE_PAGES")
 
 
-
 @needs_thp
 def test_quantize_places_the_int8_weights_it_makes():
     model = quantize(nn.Sequential(nn.Linear(2048, 1024), nn.Linear(1024, 16)), "int8_weight_only", skip=())
