@@ -15,6 +15,7 @@ The host's bandwidth drifts within minutes, so only the alternating figures comp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -34,15 +35,26 @@ def anon_huge_mib() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")) / 1024
 
 
-def build(a, huge: bool) -> GLM5ForCausalLM:
+@contextlib.contextmanager
+def pages(huge: bool):
+    """GLM5_HUGE_PAGES set for the block (what is built in it is placed or not), then restored."""
+    before = os.environ.get("GLM5_HUGE_PAGES")
     os.environ["GLM5_HUGE_PAGES"] = "1" if huge else "0"
     try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GLM5_HUGE_PAGES"]
+        else:
+            os.environ["GLM5_HUGE_PAGES"] = before
+
+
+def build(a, huge: bool) -> GLM5ForCausalLM:
+    with pages(huge):
         if a.ckpt:
             return GLM5ForCausalLM.from_pretrained(a.ckpt, verbose=False).eval()
         torch.manual_seed(0)
         return GLM5ForCausalLM(preset(a.preset)).eval()
-    finally:
-        del os.environ["GLM5_HUGE_PAGES"]
 
 
 def bench_gemv(model, rounds: int) -> None:
@@ -95,9 +107,8 @@ def main(argv=None):
     with torch.inference_mode():
         caches = {}
         for n, m in models.items():
-            os.environ["GLM5_HUGE_PAGES"] = "1" if n == "huge" else "0"
-            caches[n] = m.new_cache(1, a.blocks * a.steps + 16)
-            del os.environ["GLM5_HUGE_PAGES"]
+            with pages(n == "huge"):
+                caches[n] = m.new_cache(1, a.blocks * a.steps + 16)
             m.prefill(torch.randint(0, vocab, (1, 1)), caches[n])
             if not a.eager:
                 t0 = time.perf_counter()

@@ -92,7 +92,7 @@ def huge_page_empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     heap block may already be backed by small pages). The tensor starts on a 2 MiB
     boundary and keeps the mapping alive; it cannot be resized (a parameter never is)."""
     shape = tuple(shape)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if not _wants_huge_pages(nbytes, device):
         return torch.empty(shape, dtype=dtype, device=device)
     try:
@@ -103,6 +103,11 @@ def huge_page_empty(shape, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     raw = torch.frombuffer(region, dtype=torch.uint8)    # holds a reference to region
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def placed_on_huge_pages(t: torch.Tensor) -> bool:
+    """Whether t is huge_page_empty()'s memory: 2 MiB-aligned and not resizable (its own mapping)."""
+    return t.data_ptr() % HUGE_PAGE == 0 and not t.untyped_storage().resizable()
 
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
@@ -122,7 +127,7 @@ def weights_on_huge_pages(module: torch.nn.Module) -> int:
     """Moves `module`'s CPU parameters and buffers of at least HUGE_PAGE bytes onto huge
     pages (on_huge_pages), in place: a parameter keeps its identity (its .data moves), so
     tied weights stay tied and optimizers keep their references. Tensors already on
-    huge pages (2 MiB-aligned, not resizable: huge_page_empty's) are left. Returns the
+    huge pages (placed_on_huge_pages) are left. Returns the
     bytes moved."""
     moved = 0
     placed: dict[int, torch.Tensor] = {}      # id of a buffer -> where it went (a buffer may be shared)
@@ -135,7 +140,7 @@ def weights_on_huge_pages(module: torch.nn.Module) -> int:
                     kind[name] = placed[id(t)]
                     continue
                 placed[id(t)] = t
-                if t.data_ptr() % HUGE_PAGE == 0 and not t.untyped_storage().resizable():
+                if placed_on_huge_pages(t):
                     continue
                 param = isinstance(t, torch.nn.Parameter)
                 src = t.data if param else t

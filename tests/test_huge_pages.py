@@ -13,15 +13,10 @@ import torch
 from torch import nn
 
 from glm5_ops.memory import (HUGE_PAGE, huge_page_empty, huge_pages_enabled, on_huge_pages,
-                             weights_on_huge_pages)
+                             placed_on_huge_pages as _placed, weights_on_huge_pages)
 from models.glm5 import GLM5Config, GLM5ForCausalLM, quantize
 
 needs_thp = pytest.mark.skipif(not huge_pages_enabled(), reason="the kernel's transparent_hugepage is 'never'")
-
-
-def _placed(t: torch.Tensor) -> bool:
-    """huge_page_empty's memory: 2 MiB-aligned and not resizable (its own mapping)."""
-    return t.data_ptr() % HUGE_PAGE == 0 and not t.untyped_storage().resizable()
 
 
 def _vm_flags(address: int) -> list[str]:
