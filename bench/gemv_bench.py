@@ -10,7 +10,8 @@ kernel streams the weights (bench/RESULTS.md, "Decode linear layers").
    weight sets are cycled so no call finds its weights in the 32 MiB L3.
 3. Rows sweep (the threshold in glm5_ops/plan.py): F.linear vs gemv, M = 1..32.
 4. fused_moe_int8 decode, T = 1, 4, 16: GB/s of the chosen experts' int8 bytes, a fresh
-   routing each call, cycled past twice the L3.
+   routing each call, cycled past twice the L3; the experts in plain rows and, where the
+   model keeps them so (glm5_ops.int8.packed_experts_pay), packed, the two alternating.
 5. Model: decode tokens/s of the preset at --context tokens, batch 1, fp32 / bf16 /
    int8_weight_only (DEFAULT_SKIP) and "int8 +head" (the LM head int8 too, the
    other key layers kept), with the linear layers on F.linear ("before": plan's
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import glm5_ops  # noqa: E402
 from glm5_ops import plan  # noqa: E402
+from glm5_ops.int8 import pack_rows4, packed_experts_pay  # noqa: E402
 from glm5_ops.memory import on_huge_pages, weights_on_huge_pages  # noqa: E402
 from models.glm5 import DEFAULT_SKIP, GLM5ForCausalLM, preset, quantize  # noqa: E402
 
@@ -121,11 +123,15 @@ def bench_moe(a, bw):
     """bw(): the read bandwidth now, GB/s."""
     c = preset(a.preset)
     E, I, D, k = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.num_experts_per_tok
-    layers = []
+    layouts = {"plain": []}
+    if packed_experts_pay(torch.device("cpu"), D, I):
+        layouts["packed"] = []
     for _ in range(sum(t == "sparse" for t in c.mlp_layer_types)):
-        layers.append(tuple(map(on_huge_pages, (         # as the model keeps its experts
-            *glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5),
-            *glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)))))
+        wgu, sgu = glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5)
+        wd, sd = glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)
+        for name, layers in layouts.items():   # as the model keeps its experts: on huge pages
+            pack = pack_rows4 if name == "packed" else (lambda w: w)
+            layers.append(tuple(map(on_huge_pages, (pack(wgu), sgu, pack(wd), sd))))
     expert_bytes = 3 * I * D + 4 * (2 * I + D)
     for T in (1, 4, 16):
         # Every call routes afresh (new ids, layers in turn), and enough calls are cycled
@@ -134,26 +140,35 @@ def bench_moe(a, bw):
         g = torch.Generator().manual_seed(T)
         per_call = min(E, T * k) * expert_bytes
         calls = []
-        while not calls or len(calls) < len(layers) or sum(n for _, _, n in calls) * expert_bytes < 2 * L3:
+        n_layers = len(layouts["plain"])
+        while not calls or len(calls) < n_layers or sum(n for _, _, n in calls) * expert_bytes < 2 * L3:
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
-            calls.append((layers[len(calls) % len(layers)], ids, int(ids.unique().numel())))
+            calls.append((len(calls) % n_layers, ids, int(ids.unique().numel())))
         x, w = torch.randn(T, D), torch.rand(T, k)
         n_exp = statistics.mean(n for _, _, n in calls)
         nbytes = n_exp * expert_bytes
         reps = max(len(calls), int(2e8 // per_call))
-        run = cycling(lambda c_: glm5_ops.fused_moe_int8(x, *c_[0], w, c_[1]), calls)
-        # The host's bandwidth drifts (24-50 GB/s for the same sum within minutes), so
-        # each round measures it right before the kernel: the fraction is per round.
-        ts, fracs, bws = [], [], []
-        for _ in range(a.rounds):
+        runs = {name: cycling(lambda c_, L=layers, p=name == "packed": glm5_ops.fused_moe_int8(
+            x, *L[c_[0]], w, c_[1], packed=p), calls) for name, layers in layouts.items()}
+        # The host's bandwidth drifts (24-60 GB/s for the same sum within minutes), so
+        # each round measures it right before the kernels: the fraction is per round.
+        ts, fracs, bws = {n: [] for n in runs}, {n: [] for n in runs}, []
+        for r in range(a.rounds):
             bw_r = bw()
-            t = median_time(run, reps, rounds=1)
-            ts.append(t), bws.append(bw_r), fracs.append(nbytes / t / 1e9 / bw_r)
-        t = statistics.median(ts)
-        print(f"fused_moe_int8 T={T} ({n_exp:.1f} experts, {len(calls)} routings cycled): {t * 1e6:.0f} us, "
-              f"{nbytes / t / 1e9:.1f} GB/s, {statistics.median(fracs):.0%} of the bandwidth measured before "
-              f"each of {a.rounds} rounds (median; {min(fracs):.0%}-{max(fracs):.0%}; bandwidth "
-              f"{min(bws):.1f}-{max(bws):.1f} GB/s)", flush=True)
+            bws.append(bw_r)
+            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):   # alternating order
+                t = median_time(runs[name], reps, rounds=1)
+                ts[name].append(t), fracs[name].append(nbytes / t / 1e9 / bw_r)
+        for name in runs:
+            t = statistics.median(ts[name])
+            print(f"fused_moe_int8 T={T} {name} ({n_exp:.1f} experts, {len(calls)} routings cycled): "
+                  f"{t * 1e6:.0f} us, {nbytes / t / 1e9:.1f} GB/s, {statistics.median(fracs[name]):.0%} of the "
+                  f"bandwidth measured before each of {a.rounds} rounds (median; {min(fracs[name]):.0%}-"
+                  f"{max(fracs[name]):.0%}; bandwidth {min(bws):.1f}-{max(bws):.1f} GB/s)", flush=True)
+        if "packed" in ts:
+            wins = sum(p < q for p, q in zip(ts["packed"], ts["plain"]))
+            print(f"  packed / plain: {statistics.median(ts['plain']) / statistics.median(ts['packed']):.2f}x, "
+                  f"packed faster in {wins} of {a.rounds} rounds", flush=True)
 
 
 def bench_model(a):

@@ -10,10 +10,12 @@ Layouts (glm5_ops/reference.py is the spec):
                                   head's own int8_linear in one call (MLA's W_UK/W_UV at decode)
   w8a8_linear(x, w, scale, bias)  the same with x quantised per row at run time (dynamic),
                                   products summed exactly in int32 (K <= 131072)
-  fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8=False)
+  fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8=False, packed=False)
                                   w_gate_up int8 [E,2I,D] + fp32 [E,2I], w_down int8 [E,D,I] + fp32 [E,D];
                                   otherwise as glm5_ops.fused_moe. w8a8: experts with more than
-                                  W8A8_MIN_ROWS rows also quantise their activations.
+                                  W8A8_MIN_ROWS rows also quantise their activations. packed: both
+                                  weights in pack_rows4's layout (what the CPU decode kernel reads
+                                  fastest: packed_experts_pay says where)
 
     q, s = glm5_ops.quantize_int8(linear.weight)          # per output channel
     y = glm5_ops.int8_linear(x, q, s, linear.bias)        # decode: reads int8 weights
@@ -127,13 +129,27 @@ def w8a8_linear(x, w, scale, bias=None):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, *, w8a8: bool = False):
+pack_rows4, unpack_rows4 = reference.pack_rows4, reference.unpack_rows4
+
+
+def packed_experts_pay(device: torch.device, D: int, I: int) -> bool:
+    """Whether int8 experts [E,2I,D] / [E,D,I] on `device` are better kept in the packed
+    row layout: where the CPU decode kernel reads them with VNNI digits (its rows 4 side
+    by side become one stream the hardware prefetcher follows; docs/INT8.md, "Packed
+    expert rows"). Elsewhere the plain layout (the CUDA and Triton kernels read it)."""
+    return (device.type == "cpu" and _C is not None
+            and all(cpp_ops().int8_decode_kernel(n) == "vnni_digits" for n in (D, I)))
+
+
+def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, *, w8a8: bool = False,
+                   packed: bool = False):
     """glm5_ops.fused_moe with int8 expert weights (per output row scales), inference only.
 
     x [T,D] float; w_gate_up int8 [E,2I,D], gate_up_scale fp32 [E,2I]; w_down int8
     [E,D,I], down_scale fp32 [E,D]; weights [T,k] float; ids int32/int64 [T,k] in [0,E).
     Returns [T,D] in x.dtype, computed in fp32. w8a8=True: an expert with more than
-    W8A8_MIN_ROWS rows quantises its activations per row too (int8 GEMMs)."""
+    W8A8_MIN_ROWS rows quantises its activations per row too (int8 GEMMs). packed=True:
+    w_gate_up and w_down are in pack_rows4's layout (off the CPU they are unpacked first)."""
     check.tensor(x, "x", "[T,D]", rank=2)
     T, D = x.shape
     if not isinstance(w_gate_up, torch.Tensor) or w_gate_up.dim() != 3 or w_gate_up.shape[2] != D \
@@ -159,8 +175,12 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= E:
             raise ValueError(f"ids must hold expert ids in [0, {E}) (E of w_gate_up), got values in [{lo}, {hi}]")
+    if not isinstance(packed, bool):
+        raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
+    if packed and device.type != "cpu":   # the layout is the CPU kernel's; the GPU kernels read plain rows
+        w_gate_up, w_down, packed = unpack_rows4(w_gate_up), unpack_rows4(w_down), False
     args = (x.contiguous(), w_gate_up.contiguous(), gate_up_scale.contiguous(), w_down.contiguous(),
-            down_scale.contiguous(), weights.contiguous(), ids.to(torch.int32).contiguous(), bool(w8a8))
+            down_scale.contiguous(), weights.contiguous(), ids.to(torch.int32).contiguous(), bool(w8a8), packed)
     return dispatch("fused_moe_int8", device, {
         "cpp": lambda: cpp_ops().fused_moe_int8(*args),
         "triton": lambda: triton_ops(device).fused_moe_int8(*args),
@@ -180,7 +200,7 @@ def _linear_heads_fake(x, w, scale):
     return x.new_empty((x.shape[0], x.shape[1], w.shape[1]))
 
 
-def _fused_moe_int8_fake(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8):
+def _fused_moe_int8_fake(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8, packed=False):
     return x.new_empty(x.shape)
 
 

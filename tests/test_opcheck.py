@@ -93,6 +93,11 @@ def _int8_linear_cases():
     return [(fresh(3, 40), w, s, None), (fresh(20, 40, dtype=torch.bfloat16), w, s, fresh(24, dtype=torch.bfloat16))]
 
 
+def _packed(args):
+    x, wgu, sgu, wd, sd, weights, ids = args
+    return x, glm5_ops.int8.pack_rows4(wgu), sgu, glm5_ops.int8.pack_rows4(wd), sd, weights, ids
+
+
 def _fused_int8(T):
     x, wgu, wd, w, ids = (a.detach() for a in _fused(torch.float32))
     g = torch.Generator().manual_seed(T)
@@ -137,7 +142,9 @@ CASES = {
     "int8_linear_heads": lambda: [(fresh(3, 2, 40), *torch.ops.glm5.int8_quantize_rows(fresh(3, 7, 40))),
                                   (fresh(4, 1, 24, dtype=torch.bfloat16),
                                    *(t[:, 3:] for t in torch.ops.glm5.int8_quantize_rows(fresh(4, 10, 24))))],
-    "fused_moe_int8": lambda: [(*_fused_int8(T), w8a8) for T in (3, 40) for w8a8 in (False, True)],
+    "fused_moe_int8": lambda: [(*_fused_int8(T), w8a8) for T in (3, 40) for w8a8 in (False, True)] + [
+        # the packed row layout: the CPU kernel's (on CUDA the wrapper unpacks before the op)
+        (*_packed(_fused_int8(T)), False, True) for T in (3, 40) if DEVICE.type == "cpu"],
     "rms_norm": lambda: [(fresh(3, 5, 40), fresh(40), 1e-6), (fresh(7, 33, dtype=torch.bfloat16),
                                                             fresh(33, dtype=torch.bfloat16), 1e-5)],
     "rope": lambda: [(fresh(2, 3, 4, 24)[..., 8:], fresh(2, 3, 8), fresh(2, 3, 8), 16),   # strided heads, tail copied

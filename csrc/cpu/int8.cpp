@@ -169,6 +169,7 @@ struct ExpertTiles {
   float* y;
   int64_t per_expert;   // tiles per expert
   int64_t ahead;        // prefetch distance in tiles (0: none)
+  bool packed;          // w in vnni::unpack_rows4's packed layout (the digits path only)
 
   const int8_t* tile_weights(int64_t t) const {
     return w + active[t / per_expert] * N * K + (t % per_expert) * kTileRows * K;
@@ -207,7 +208,7 @@ struct ExpertTiles {
       const int64_t t_end = std::min(t1, (i + 1) * per_expert);
       const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
       vnni::rows_digits(digits, r0, M, w + e * N * K, (t % per_expert) * kTileRows,
-                        std::min(N, (t_end - i * per_expert) * kTileRows), scale + e * N, nullptr, y, N);
+                        std::min(N, (t_end - i * per_expert) * kTileRows), scale + e * N, nullptr, y, N, packed);
       t = t_end;
     }
   }
@@ -248,14 +249,16 @@ struct ExpertTiles {
   }
 };
 
-// digits: x's rows as int8_vnni.h's digits (the VNNI kernel), or null.
+// digits: x's rows as int8_vnni.h's digits (the VNNI kernel), or null; packed: w in the
+// packed layout (digits only).
 void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
-                 const int8_t* w, const float* scale, int64_t N, float* y, const void* digits) {
+                 const int8_t* w, const float* scale, int64_t N, float* y, const void* digits, bool packed = false) {
+  TORCH_INTERNAL_ASSERT(!packed || digits, "expert_gemv: the packed layout is read by the digits kernel only");
   const int64_t per_expert = (N + kTileRows - 1) / kTileRows;
   const int64_t tile_bytes = kTileRows * std::max<int64_t>(K, 1);
   // gemv::rows's rule: rows longer than kPrefetchMaxRowBytes stream well enough on their own.
   const int64_t ahead = K > gemv::kPrefetchMaxRowBytes ? 0 : (gemv::kPrefetchMinBytes + tile_bytes - 1) / tile_bytes;
-  const ExpertTiles job{offsets, active, x, K, w, scale, N, y, per_expert, ahead};
+  const ExpertTiles job{offsets, active, x, K, w, scale, N, y, per_expert, ahead, packed};
   const int64_t tiles = int64_t(active.size()) * per_expert;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
 #if defined(__AVX512F__)
@@ -453,6 +456,16 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
   return int8_gemm(x, w_in, scale_in, bias.has_value() ? bias->data_ptr<float>() : nullptr).to(x.scalar_type());
 }
 
+// w [..., N, K] in the packed layout (int8_vnni.h) -> the same weights in plain rows.
+at::Tensor unpacked(const at::Tensor& w) {
+  const at::Tensor src = w.contiguous();
+  at::Tensor dst = at::empty_like(src);
+  const int64_t K = src.size(-1), N = src.size(-2), B = src.numel() / std::max<int64_t>(1, N * K);
+  for (int64_t b = 0; b < B; ++b)
+    vnni::unpack_rows4(src.data_ptr<int8_t>() + b * N * K, dst.data_ptr<int8_t>() + b * N * K, N, K);
+  return dst;
+}
+
 // a = silu(h[:, :I]) * h[:, I:] for h [R, 2I], a [R, I], both contiguous: as ATen
 // ops (silu, mul, copy) this was ~20 us of dispatch per MoE layer at decode.
 void silu_mul_rows(const at::Tensor& h, const at::Tensor& a) {
@@ -467,14 +480,14 @@ void silu_mul_rows(const at::Tensor& h, const at::Tensor& a) {
 
 at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& gu_scale_in,
                           const at::Tensor& w_down_in, const at::Tensor& down_scale_in, const at::Tensor& weights_in,
-                          const at::Tensor& ids_in, bool w8a8) {
+                          const at::Tensor& ids_in, bool w8a8, bool packed) {
   check_fused_moe_int8_args(x_in, w_gate_up_in, gu_scale_in, w_down_in, down_scale_in, weights_in, ids_in);
   const int64_t T = x_in.size(0), D = x_in.size(1);
   const int64_t E = w_gate_up_in.size(0), I2 = w_gate_up_in.size(1), I = I2 / 2;
   const int64_t k = ids_in.size(1);
   const at::Tensor x = x_in.to(at::kFloat).contiguous(), ids = ids_in.contiguous();
   const at::Tensor weights = weights_in.to(at::kFloat).contiguous();
-  const at::Tensor wgu = w_gate_up_in.contiguous(), wd = w_down_in.contiguous();
+  at::Tensor wgu = w_gate_up_in.contiguous(), wd = w_down_in.contiguous();
   const at::Tensor gus = gu_scale_in.contiguous(), ds = down_scale_in.contiguous();
   const int32_t* id = ids.data_ptr<int32_t>();
 
@@ -504,13 +517,16 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       vnni::ActDigits xd = vnni::make_digits(xp, T, D, D);
       xd.map.resize(T * k);
       for (int64_t r = 0; r < T * k; ++r) xd.map[r] = pair_of[r] / k;
-      expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(), &xd);
+      expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(), &xd,
+                  packed);
       silu_mul_rows(h, a);
       const vnni::ActDigits ad = vnni::make_digits(a.data_ptr<float>(), T * k, I, I);
-      expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, &ad);
+      expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, &ad,
+                  packed);
     } else
 #endif
     {
+      if (packed) wgu = unpacked(wgu), wd = unpacked(wd);   // a CPU without VNNI: the fp32 kernels read plain rows
       auto xs = at::empty({T * k, D}, x.options());
       float* xsp = xs.data_ptr<float>();
       for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);
@@ -536,7 +552,9 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
       if (n == 0) continue;
-      const at::Tensor wgu_e = wgu[e], wd_e = wd[e], gus_e = gus[e], ds_e = ds[e];
+      // Packed experts are unpacked for the GEMMs (O(N K) against their O(M N K)).
+      const at::Tensor wgu_e = packed ? unpacked(wgu[e]) : wgu[e], wd_e = packed ? unpacked(wd[e]) : wd[e];
+      const at::Tensor gus_e = gus[e], ds_e = ds[e];
       at::Tensor h = at::empty({n, I2}, x.options());
       if (n > kGemvMaxRows && token_digits) {
 #if defined(__AVX512F__)

@@ -47,6 +47,33 @@ constexpr int64_t kVnniMaxK = 131072;   // see above: 127 * 127 * K < 2^31
 constexpr int kDigits = 3;
 constexpr int64_t kPrefetchBytes = 8192;   // gemv_tiles.h's distance; 16 KiB measured no better here
 
+// The packed layout of an int8 weight [N, K] (fused_moe_int8's packed=True; glm5_ops/int8.py,
+// pack_rows4, is its Python home and docs/INT8.md says why): rows in groups of 4 (the last
+// group: the N % 4 rows left), each group's nb * K bytes ordered chunk by chunk, 64 bytes of
+// each of its rows in turn, then the rows' tails (K % 64 bytes each) in turn. Reading a group
+// 4 rows side by side is then one sequential stream, which the hardware prefetcher follows
+// at the full read bandwidth; 4 rows 1 KiB apart are 4 short streams it does not, and the
+// software prefetches that made up for it cost a third of the bandwidth on a fast hour
+// (bench/RESULTS.md, "Packed expert rows").
+constexpr int64_t kPackRows = 4;
+
+// Byte offset of w[n, k] in the packed layout of [N, K].
+inline int64_t packed_offset(int64_t N, int64_t K, int64_t n, int64_t k) {
+  const int64_t g = n / kPackRows * kPackRows, nb = std::min(kPackRows, N - g), j = n - g;
+  const int64_t kfull = K / 64 * 64;
+  const int64_t in_group = k < kfull ? (k / 64) * 64 * nb + j * 64 + k % 64 : kfull * nb + j * (K - kfull) + (k - kfull);
+  return g * K + in_group;
+}
+
+// dst [N, K] plain <- src [N, K] packed.
+inline void unpack_rows4(const int8_t* src, int8_t* dst, int64_t N, int64_t K) {
+  const int64_t kfull = K / 64 * 64;
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < kfull; k += 64) std::copy_n(src + packed_offset(N, K, n, k), 64, dst + n * K + k);
+    if (kfull < K) std::copy_n(src + packed_offset(N, K, n, kfull), K - kfull, dst + n * K + kfull);
+  }
+}
+
 #if defined(__AVX512F__)
 
 // True where the CPU executes vpdpbusd (AVX512_VNNI); checked once. The build
@@ -189,9 +216,12 @@ GLM5_VNNI_TARGET inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i
 // weight rows w[j] read side by side, start to end, and MB activation rows (q[m]: the
 // row's digits, Kp apart, 64-byte aligned); lanes j >= NB are 0. Every digit load feeds
 // NB products, every (j, m, d) has its own accumulator chain.
-template <int NB, int MB>
+// PACKED: w[0] is a group of NB rows in the packed layout (pack_rows4 below): the 64-byte
+// chunk k of row j at w[0] + k * NB + 64 j, the tail chunk at w[0] + kfull * NB + j (K - kfull).
+template <int NB, int MB, bool PACKED = false>
 GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, const int8_t* const* w, int64_t K,
                                         uint32_t* out, const int8_t* pf) {
+  const auto at = [&](int j, int64_t k, int64_t len) { return PACKED ? w[0] + k * NB + j * len : w[j] + k; };
   __m512i acc[NB][MB][kDigits];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m)
@@ -201,7 +231,7 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
   for (; k + 64 <= K; k += 64) {   // plain loads: masked ones on every vector measured 2x slower
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
-      wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k), flip);
+      wv[j] = _mm512_xor_si512(_mm512_loadu_si512(at(j, k, 64)), flip);
       if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 64 * NB + j) * 64), _MM_HINT_T1);
     }
     for (int m = 0; m < MB; ++m)
@@ -213,7 +243,7 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
   for (; k < K; k += 64) {   // a masked tail (its digits are zero-padded)
     const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
     __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w[j] + k), flip);
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, at(j, k, K - k)), flip);
     for (int m = 0; m < MB; ++m)
       for (int d = 0; d < kDigits; ++d) {
         const __m512i qv = _mm512_load_si512(q[m] + d * Kp + k);
@@ -231,7 +261,15 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
 
 // One block: nb weight rows x one activation row -> out (dot_digits's layout).
 GLM5_VNNI_TARGET inline void block_digits(int nb, const int8_t* const* q, int64_t Kp, const int8_t* const* w,
-                                          int64_t K, uint32_t* out, const int8_t* pf) {
+                                          int64_t K, uint32_t* out, const int8_t* pf, bool packed) {
+  if (packed) {   // one sequential stream: the hardware prefetcher's, no software prefetch
+    switch (nb) {
+      case 1: dot_digits<1, 1, true>(q, Kp, w, K, out, nullptr); return;
+      case 2: dot_digits<2, 1, true>(q, Kp, w, K, out, nullptr); return;
+      case 3: dot_digits<3, 1, true>(q, Kp, w, K, out, nullptr); return;
+      default: dot_digits<4, 1, true>(q, Kp, w, K, out, nullptr); return;
+    }
+  }
   switch (nb) {
     case 1: dot_digits<1, 1>(q, Kp, w, K, out, nullptr); return;
     case 2: dot_digits<2, 1>(q, Kp, w, K, out, nullptr); return;
@@ -252,7 +290,7 @@ GLM5_VNNI_TARGET inline void block_digits(int nb, const int8_t* const* q, int64_
 GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigits& a, int64_t r0, int64_t M,
                                                                    const int8_t* w, int64_t n0, int64_t n1,
                                                                    const float* scale, const float* bias, float* y,
-                                                                   int64_t ldy) {
+                                                                   int64_t ldy, bool packed = false) {
   constexpr int kNB = 4;
   const int64_t K = a.K, Kp = a.Kp;
   // A later block is prefetched into L2 (one line per line read, with the first
@@ -267,7 +305,7 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
     for (int j = 0; j < nb; ++j) wr[j] = w + (n + j) * K;
     for (int64_t r = r0; r < r0 + M; ++r) {
       const int8_t* q[1] = {a.row(r)};
-      block_digits(nb, q, Kp, wr, K, out, r == r0 && n + ahead + kNB <= n1 ? w + (n + ahead) * K : nullptr);
+      block_digits(nb, q, Kp, wr, K, out, r == r0 && n + ahead + kNB <= n1 ? w + (n + ahead) * K : nullptr, packed);
       const double* s = a.scales(r);
       const int32_t* qs = a.sums(r);
       const __mmask8 lanes = static_cast<__mmask8>((1u << nb) - 1u);
@@ -283,7 +321,14 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
       } else {
         alignas(32) double vs[4] = {0.0, 0.0, 0.0, 0.0};
         const float* xr = a.xrow(r);
-        for (int j = 0; j < nb; ++j) vs[j] = dot_f64(wr[j], xr, K);
+        for (int j = 0; j < nb; ++j) {
+          if (!packed) {
+            vs[j] = dot_f64(wr[j], xr, K);
+            continue;
+          }
+          for (int64_t k = 0; k < K; ++k)   // in order, as dot_f64 (the group's rows: [nb, K])
+            vs[j] += double(wr[0][packed_offset(nb, K, j, k)]) * double(xr[k]);
+        }
         v = _mm256_load_pd(vs);
       }
       _mm_mask_storeu_ps(y + r * ldy + n, lanes, _mm256_cvtpd_ps(_mm256_fmadd_pd(sc, v, b)));

@@ -499,8 +499,10 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at:
 
 at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in, const at::Tensor& gu_scale_in,
                           const at::Tensor& w_down_in, const at::Tensor& down_scale_in, const at::Tensor& weights_in,
-                          const at::Tensor& ids_in, bool w8a8) {
+                          const at::Tensor& ids_in, bool w8a8, bool packed) {
   check_fused_moe_int8_args(x_in, w_gate_up_in, gu_scale_in, w_down_in, down_scale_in, weights_in, ids_in);
+  TORCH_CHECK_VALUE(!packed, "fused_moe_int8: packed=True is the CPU kernel's layout; pass plain rows on CUDA "
+                    "(glm5_ops.int8.unpack_rows4)");
   const int64_t T = x_in.size(0), D = x_in.size(1);
   const int64_t E = w_gate_up_in.size(0), I2 = w_gate_up_in.size(1), I = I2 / 2;
   const int64_t k = ids_in.size(1), P = T * k;

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import reference
 from ..reference import W8A8_MIN_ROWS
 from ._limits import launch_guard
 from .moe import _FLOATS, _combine, _interpreted, _next_pow2, _Plan, _prec, _silu_parts, _tile_ids
@@ -263,9 +264,12 @@ def _moe_tiles(x: torch.Tensor, rows_per_expert: float, a8: bool) -> dict:
     return dict(cfg, GROUP_M=1 if _interpreted(x) or rows_per_expert <= 16 else 4)
 
 
-def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8):
-    """out [T, D] in x.dtype: sum_j weights[t,j] * int8 SwiGLU expert ids[t,j] of x[t], fp32 sums."""
+def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, w8a8, packed=False):
+    """out [T, D] in x.dtype: sum_j weights[t,j] * int8 SwiGLU expert ids[t,j] of x[t], fp32 sums.
+    packed: the CPU kernel's row layout, unpacked here (these kernels read plain rows)."""
     _check_dtype(x, "fused_moe_int8")
+    if packed:
+        w_gate_up, w_down = reference.unpack_rows4(w_gate_up), reference.unpack_rows4(w_down)
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     I, k = I2 // 2, ids.shape[1]

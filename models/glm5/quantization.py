@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 import glm5_ops
-from glm5_ops.int8 import W8A8_MIN_ROWS
-from glm5_ops.memory import weights_on_huge_pages
+from glm5_ops.int8 import W8A8_MIN_ROWS, pack_rows4, packed_experts_pay, unpack_rows4
+from glm5_ops.memory import on_huge_pages, weights_on_huge_pages
 
 from .moe import Experts, Router
 
@@ -99,7 +99,14 @@ class Int8Embedding(nn.Module):
 
 
 class Int8Experts(nn.Module):
-    """The routed experts with int8 weights: gate_up [E,2I,D] + scales [E,2I], down [E,D,I] + [E,D]."""
+    """The routed experts with int8 weights: gate_up [E,2I,D] + scales [E,2I], down [E,D,I] + [E,D].
+
+    Where the CPU decode kernel reads them fastest (glm5_ops.int8.packed_experts_pay),
+    gate_up_q and down_q are kept in pack_rows4's row layout: `packed` says which. The
+    layout follows the device (.to() re-decides it); state_dict() and checkpoints always
+    hold plain rows, and load_state_dict takes plain rows."""
+
+    _PACKED = ("gate_up_q", "down_q")
 
     def __init__(self, gate_up, gate_up_scale, down, down_scale, mode: str, dtype: torch.dtype):
         super().__init__()
@@ -107,6 +114,41 @@ class Int8Experts(nn.Module):
                         ("down_scale", down_scale)):
             self.register_buffer(name, t)
         self.mode, self.dtype = mode, dtype
+        self.packed = False
+        self.place()
+
+    def place(self) -> None:
+        """Packs or unpacks the weights as their device's decode kernel prefers."""
+        E, I2, D = self.gate_up_q.shape
+        want = not self.gate_up_q.is_meta and packed_experts_pay(self.gate_up_q.device, D, I2 // 2)
+        if want != self.packed:
+            layout = pack_rows4 if want else unpack_rows4
+            for name in self._PACKED:   # new tensors: onto huge pages again (decode streams them)
+                setattr(self, name, on_huge_pages(layout(getattr(self, name))))
+            self.packed = want
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.place()
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed:
+            for name in self._PACKED:
+                destination[prefix + name] = unpack_rows4(destination[prefix + name])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if self.packed:   # the incoming plain rows, in this module's layout (load_state_dict copies the dict)
+            for name in self._PACKED:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = pack_rows4(state_dict[prefix + name])
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        self.place()   # assign=True may have brought plain tensors onto a device that packs
+
+    def _plain(self, name):
+        t = getattr(self, name)
+        return unpack_rows4(t) if self.packed else t
 
     @classmethod
     def from_experts(cls, experts: Experts, mode: str) -> "Int8Experts":
@@ -115,15 +157,18 @@ class Int8Experts(nn.Module):
     # The unfused MoE path (fused=False) reads the matrices: dequantised copies.
     @property
     def gate_up_proj(self):
-        return glm5_ops.reference.int8_dequantize_rows(self.gate_up_q, self.gate_up_scale, self.dtype)
+        return glm5_ops.reference.int8_dequantize_rows(self._plain("gate_up_q"), self.gate_up_scale, self.dtype)
 
     @property
     def down_proj(self):
-        return glm5_ops.reference.int8_dequantize_rows(self.down_q, self.down_scale, self.dtype)
+        return glm5_ops.reference.int8_dequantize_rows(self._plain("down_q"), self.down_scale, self.dtype)
 
     def forward(self, h, weights, ids):
         return glm5_ops.fused_moe_int8(h, self.gate_up_q, self.gate_up_scale, self.down_q, self.down_scale,
-                                       weights, ids, w8a8=self.mode == "w8a8")
+                                       weights, ids, w8a8=self.mode == "w8a8", packed=self.packed)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, packed={self.packed}"
 
 
 def _quantize(w: torch.Tensor):

@@ -1,0 +1,144 @@
+"""The packed row layout of int8 expert weights (glm5_ops/reference.py, pack_rows4):
+the layout itself, fused_moe_int8(packed=True) against packed=False on every path
+of the kernel, and Int8Experts keeping its weights packed where the CPU decode
+kernel reads them fastest while state_dict and checkpoints hold plain rows."""
+import copy
+
+import pytest
+import torch
+
+import glm5_ops
+from glm5_ops import reference as ref
+from glm5_ops.int8 import pack_rows4, packed_experts_pay, unpack_rows4
+from models.glm5 import GLM5ForCausalLM, preset, quantize, save_quantized
+from models.glm5.quantization import Int8Experts
+from conftest import DEVICE, fresh
+
+
+def _int8(*shape, seed=0):
+    return torch.randint(-127, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+def _packed_offset(N, K, n, k):
+    """The byte of w[n, k] in the packed layout, as csrc/cpu/int8_vnni.h's packed_offset says."""
+    g = n // 4 * 4
+    nb, j, kfull = min(4, N - g), n - g, K // 64 * 64
+    in_group = (k // 64) * 64 * nb + j * 64 + k % 64 if k < kfull else kfull * nb + j * (K - kfull) + (k - kfull)
+    return g * K + in_group
+
+
+@pytest.mark.parametrize("N,K", [(8, 128), (7, 100), (5, 64), (3, 30), (13, 200), (1, 1), (4, 63)])
+def test_layout_is_the_one_the_kernel_reads(N, K):
+    w = _int8(N, K, seed=N * K)
+    flat = pack_rows4(w).flatten()
+    for n in range(N):
+        for k in range(K):
+            assert flat[_packed_offset(N, K, n, k)] == w[n, k], (n, k)
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 128), (2, 7, 100), (5, 3), (0, 64), (9, 0), (4, 1, 64), (6, 13, 200)])
+def test_pack_roundtrip_keeps_shape_and_bytes(shape):
+    w = _int8(*shape)
+    p = pack_rows4(w)
+    assert p.shape == w.shape and p.dtype == torch.int8
+    assert torch.equal(unpack_rows4(p), w)
+    assert torch.equal(p.flatten().sort().values, w.flatten().sort().values)   # a permutation
+
+
+def _moe(T, D, I, E, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE, torch.int32)
+    wgu, sgu = glm5_ops.quantize_int8(fresh(E, 2 * I, D, scale=D ** -0.5))
+    wd, sd = glm5_ops.quantize_int8(fresh(E, D, I, scale=I ** -0.5))
+    return fresh(T, D), wgu, sgu, wd, sd, fresh(T, k).abs(), ids
+
+
+# T <= 16 with experts of few rows: the decode kernel (VNNI digits where the CPU has
+# them); T = 40, 70: experts with more than 16 rows (the GEMM paths, unpacked per expert).
+# Odd D and I: a group of fewer than 4 rows and rows with a tail shorter than 64 bytes.
+@pytest.mark.parametrize("T,D,I,E,k", [(1, 1024, 256, 16, 6), (3, 100, 37, 5, 2), (16, 64, 50, 4, 3),
+                                       (2, 7, 3, 3, 2), (5, 200, 129, 7, 3), (40, 130, 66, 6, 2), (70, 33, 17, 3, 3)])
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_packed_equals_plain_bit_for_bit(T, D, I, E, k, w8a8):
+    x, wgu, sgu, wd, sd, weights, ids = _moe(T, D, I, E, k, seed=T + D)
+    plain = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids, w8a8=w8a8)
+    packed = glm5_ops.fused_moe_int8(x, pack_rows4(wgu), sgu, pack_rows4(wd), sd, weights, ids, w8a8=w8a8,
+                                     packed=True)
+    assert torch.equal(packed, plain)
+    torch.testing.assert_close(packed, ref.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids, w8a8=w8a8).float(),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_packed_non_finite_rows_as_plain():
+    """A row with a NaN or an infinity takes the kernel's float64 path, which reads packed rows too."""
+    x, wgu, sgu, wd, sd, weights, ids = _moe(4, 100, 37, 5, 2, seed=7)
+    x[1, 3], x[2, 0] = float("nan"), float("inf")
+    plain = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids)
+    packed = glm5_ops.fused_moe_int8(x, pack_rows4(wgu), sgu, pack_rows4(wd), sd, weights, ids, packed=True)
+    assert torch.equal(packed.isnan(), plain.isnan())
+    assert torch.equal(packed.nan_to_num(), plain.nan_to_num())
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_other_backends_read_packed_weights(backend):
+    from conftest import BACKENDS
+    if backend not in BACKENDS:
+        pytest.skip(f"{backend} is not available here")
+    x, wgu, sgu, wd, sd, weights, ids = _moe(3, 40, 24, 4, 2, seed=3)
+    with glm5_ops.use_backend(backend):
+        plain = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids)
+        packed = glm5_ops.fused_moe_int8(x, pack_rows4(wgu), sgu, pack_rows4(wd), sd, weights, ids, packed=True)
+    assert torch.equal(packed, plain)
+
+
+def test_packed_must_be_a_bool():
+    x, wgu, sgu, wd, sd, weights, ids = _moe(1, 16, 8, 4, 2, seed=1)
+    with pytest.raises(TypeError, match="packed must be a bool"):
+        glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids, packed=1)
+
+
+def _quantized(seed=0):
+    torch.manual_seed(seed)
+    return quantize(GLM5ForCausalLM(preset("tiny"), attn="dense").eval(), "int8_weight_only")
+
+
+def _experts(model):
+    return [m for m in model.modules() if isinstance(m, Int8Experts)]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or not packed_experts_pay(torch.device("cpu"), 64, 32),
+                    reason="the CPU's decode kernel reads plain rows here (no VNNI)")
+def test_int8_experts_packed_on_cpu_state_dict_plain(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    fp = GLM5ForCausalLM(preset("tiny"), attn="dense").eval()
+    plain_q = {n: glm5_ops.quantize_int8(m.gate_up_proj.detach())[0] for n, m in fp.named_modules()
+               if type(m).__name__ == "Experts"}
+    model = quantize(copy.deepcopy(fp), "int8_weight_only")
+    experts = dict((n, m) for n, m in model.named_modules() if isinstance(m, Int8Experts))
+    assert experts and all(m.packed for m in experts.values())
+    for n, m in experts.items():
+        assert torch.equal(m.gate_up_q, pack_rows4(plain_q[n]))              # held packed
+        assert torch.equal(model.state_dict()[f"{n}.gate_up_q"], plain_q[n])  # saved plain
+        torch.testing.assert_close(m.gate_up_proj, ref.int8_dequantize_rows(plain_q[n], m.gate_up_scale))
+
+    ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids)
+        monkeypatch.setattr("models.glm5.quantization.packed_experts_pay", lambda *a: False)
+        unpacked = quantize(copy.deepcopy(fp), "int8_weight_only")
+        assert not any(m.packed for m in _experts(unpacked))
+        assert torch.equal(got, unpacked(ids))                                # the layout moves no bit
+        monkeypatch.undo()
+
+        save_quantized(model, str(tmp_path))
+        loaded = GLM5ForCausalLM.from_pretrained(str(tmp_path), attn="dense")
+        assert all(m.packed for m in _experts(loaded))
+        assert torch.equal(loaded(ids), got)
+        again = _quantized(seed=5)
+        again.load_state_dict(model.state_dict())                          # plain rows in, packed kept
+        assert all(m.packed for m in _experts(again)) and torch.equal(again(ids), got)
+        twin = copy.deepcopy(model)
+        assert all(m.packed for m in _experts(twin)) and torch.equal(twin(ids), got)
+
+    on_meta = copy.deepcopy(model).to("meta")                                # the layout follows the device
+    assert not any(m.packed for m in _experts(on_meta))
