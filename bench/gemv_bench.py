@@ -12,6 +12,7 @@ kernel streams the weights (bench/RESULTS.md, "Decode linear layers").
 4. fused_moe_int8 decode, T = 1, 4, 16: GB/s of the chosen experts' int8 bytes, a fresh
    routing each call, cycled past twice the L3; the experts in plain rows and, where the
    model keeps them so (glm5_ops.int8.packed_experts_pay), packed, the two alternating.
+   --by-bandwidth SECONDS: many short rounds instead, grouped by the round's sum.
 5. Model: decode tokens/s of the preset at --context tokens, batch 1, fp32 / bf16 /
    int8_weight_only (DEFAULT_SKIP) and "int8 +head" (the LM head int8 too, the
    other key layers kept), with the linear layers on F.linear ("before": plan's
@@ -152,6 +153,9 @@ def bench_moe(a, bw):
             x, *L[c_[0]], w, c_[1], packed=p), calls) for name, layers in layouts.items()}
         # The host's bandwidth drifts (24-60 GB/s for the same sum within minutes), so
         # each round measures it right before the kernels: the fraction is per round.
+        if a.by_bandwidth:
+            _moe_by_bandwidth(a, T, runs, nbytes, bw)
+            continue
         ts, fracs, bws = {n: [] for n in runs}, {n: [] for n in runs}, []
         for r in range(a.rounds):
             bw_r = bw()
@@ -169,6 +173,30 @@ def bench_moe(a, bw):
             wins = sum(p < q for p, q in zip(ts["packed"], ts["plain"]))
             print(f"  packed / plain: {statistics.median(ts['plain']) / statistics.median(ts['packed']):.2f}x, "
                   f"packed faster in {wins} of {a.rounds} rounds", flush=True)
+
+
+def _moe_by_bandwidth(a, T, runs, nbytes, bw):
+    """--by-bandwidth: short rounds (the sum, then each layout) for that many seconds,
+    medians grouped by the round's sum: this host's bandwidth is bimodal (30-36 or
+    50-64 GB/s, switching within minutes), so a fraction means something only beside
+    the sum of its own round."""
+    rows, end = [], time.perf_counter() + a.by_bandwidth
+    reps = max(24, int(3e7 // nbytes))
+    while time.perf_counter() < end:
+        r = {"sum": bw()}
+        for name in (list(runs) if len(rows) % 2 == 0 else list(runs)[::-1]):
+            r[name] = nbytes / median_time(runs[name], reps, rounds=1) / 1e9
+        rows.append(r)
+    for fast in (False, True):
+        sel = [r for r in rows if (r["sum"] >= a.fast_sum) == fast]
+        if not sel:
+            continue
+        line = (f"fused_moe_int8 T={T}, {len(sel)} rounds with the sum {'>=' if fast else '<'} {a.fast_sum:g} GB/s "
+                f"(median {statistics.median(r['sum'] for r in sel):.1f}):")
+        for name in runs:
+            line += (f" {name} {statistics.median(r[name] for r in sel):.1f} GB/s "
+                     f"({statistics.median(r[name] / r['sum'] for r in sel):.0%})")
+        print(line, flush=True)
 
 
 def bench_model(a):
@@ -238,6 +266,10 @@ def main(argv=None):
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--compile", action="store_true", help="model: eager against compile_decode() (see 5.)")
     p.add_argument("--skip-ops", action="store_true")
+    p.add_argument("--by-bandwidth", type=float, default=0, metavar="SECONDS",
+                   help="moe: short rounds for SECONDS per T, medians grouped by the round's sum (see 4.)")
+    p.add_argument("--fast-sum", type=float, default=42, metavar="GB/S",
+                   help="--by-bandwidth: rounds whose sum reads at least this are the fast group")
     p.add_argument("--only", choices=("ops", "rows", "moe", "model"), action="append",
                    help="run only these parts (repeatable; default: all but what --skip-* leaves out)")
     a = p.parse_args(argv)

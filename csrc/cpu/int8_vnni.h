@@ -47,8 +47,8 @@ constexpr int64_t kVnniMaxK = 131072;   // see above: 127 * 127 * K < 2^31
 constexpr int kDigits = 3;
 constexpr int64_t kPrefetchBytes = 8192;   // gemv_tiles.h's distance; 16 KiB measured no better here
 
-// The packed layout of an int8 weight [N, K] (fused_moe_int8's packed=True; glm5_ops/int8.py,
-// pack_rows4, is its Python home and docs/INT8.md says why): rows in groups of 4 (the last
+// The packed layout of an int8 weight [N, K] (fused_moe_int8's packed=True; its spec is
+// pack_rows4 in glm5_ops/reference.py, and docs/INT8.md says why): rows in groups of 4 (the last
 // group: the N % 4 rows left), each group's nb * K bytes ordered chunk by chunk, 64 bytes of
 // each of its rows in turn, then the rows' tails (K % 64 bytes each) in turn. Reading a group
 // 4 rows side by side is then one sequential stream, which the hardware prefetcher follows
