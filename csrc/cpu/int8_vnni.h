@@ -216,8 +216,8 @@ GLM5_VNNI_TARGET inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i
 // weight rows w[j] read side by side, start to end, and MB activation rows (q[m]: the
 // row's digits, Kp apart, 64-byte aligned); lanes j >= NB are 0. Every digit load feeds
 // NB products, every (j, m, d) has its own accumulator chain.
-// PACKED: w[0] is a group of NB rows in the packed layout (pack_rows4 below): the 64-byte
-// chunk k of row j at w[0] + k * NB + 64 j, the tail chunk at w[0] + kfull * NB + j (K - kfull).
+// PACKED: w[0] is a group of NB rows in the packed layout (packed_offset above): the 64-byte
+// chunk at k of row j at w[0] + k * NB + 64 j, the tail at w[0] + kfull * NB + j (K - kfull).
 template <int NB, int MB, bool PACKED = false>
 GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, const int8_t* const* w, int64_t K,
                                         uint32_t* out, const int8_t* pf) {
@@ -291,7 +291,10 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
                                                                    const int8_t* w, int64_t n0, int64_t n1,
                                                                    const float* scale, const float* bias, float* y,
                                                                    int64_t ldy, bool packed = false) {
+  // packed: w [N, K] in the packed layout; n0 a multiple of 4 and n1 one too or N, so each
+  // block below is one of the layout's groups (fused_moe_int8's 8-row tiles are).
   constexpr int kNB = 4;
+  static_assert(kNB == kPackRows, "a block is a packed group");
   const int64_t K = a.K, Kp = a.Kp;
   // A later block is prefetched into L2 (one line per line read, with the first
   // activation row), at least kPrefetchBytes ahead: at M > 1 the block is worked on M
