@@ -40,8 +40,8 @@
 //   on VNNI the int8_vnni.h kernel, digits of the T token rows made once),
 //   silu(g)*u, then down likewise (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
 //   by its row count. packed=True: the experts in int8_vnni.h's packed row layout, which the
-//   VNNI decode pass reads as one stream per thread; the other paths unpack what they read. A gather by token sums its k slots in order
-//   (deterministic, no atomics).
+//   VNNI decode pass reads as one stream per thread; the other paths unpack what they read.
+//   A gather by token sums its k slots in order (deterministic, no atomics).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
