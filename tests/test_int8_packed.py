@@ -12,7 +12,7 @@ from glm5_ops import reference as ref
 from glm5_ops.int8 import pack_rows4, packed_experts_pay, unpack_rows4
 from models.glm5 import GLM5ForCausalLM, preset, quantize, save_quantized
 from models.glm5.quantization import Int8Experts
-from conftest import DEVICE, fresh
+from conftest import BACKENDS, DEVICE, fresh
 
 
 def _int8(*shape, seed=0):
@@ -81,7 +81,6 @@ def test_packed_non_finite_rows_as_plain():
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_other_backends_read_packed_weights(backend):
-    from conftest import BACKENDS
     if backend not in BACKENDS:
         pytest.skip(f"{backend} is not available here")
     x, wgu, sgu, wd, sd, weights, ids = _moe(3, 40, 24, 4, 2, seed=3)

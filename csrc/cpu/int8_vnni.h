@@ -308,7 +308,8 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
     for (int j = 0; j < nb; ++j) wr[j] = w + (n + j) * K;
     for (int64_t r = r0; r < r0 + M; ++r) {
       const int8_t* q[1] = {a.row(r)};
-      block_digits(nb, q, Kp, wr, K, out, r == r0 && n + ahead + kNB <= n1 ? w + (n + ahead) * K : nullptr, packed);
+      const bool pf = !packed && r == r0 && n + ahead + kNB <= n1;   // packed rows: the hardware's prefetch
+      block_digits(nb, q, Kp, wr, K, out, pf ? w + (n + ahead) * K : nullptr, packed);
       const double* s = a.scales(r);
       const int32_t* qs = a.sums(r);
       const __mmask8 lanes = static_cast<__mmask8>((1u << nb) - 1u);
