@@ -612,6 +612,8 @@ std::string int8_decode_kernel(int64_t K) {
   if (vnni::use_digits(K)) return "vnni_digits";
 #if defined(__AVX512F__)
   return "avx512_fp32";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2_fp32";
 #else
   return "portable_fp32";
 #endif
