@@ -117,6 +117,24 @@ def test_w8a8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
     torch.testing.assert_close(y.float(), ref.w8a8_linear(x, w, s, bias).float(), **tol)
 
 
+@pytest.mark.parametrize("K", [1023, 1024, 1025, 2500, 65536])
+def test_w8a8_linear_is_exact_at_the_integer_bounds(impl, poisoned, K):
+    """Products at their largest (|q| = 127 against w = -128 or 127) over rows longer
+    than one of the sgemm chunks a CPU without VNNI sums exactly (int_mm_wt: 1024 long).
+    x = +-127 gives x_scale 1 and scale is 1, so y is the int32 sum itself: equal to the
+    oracle's bit for bit (an fp32 sum past 2^24 of odd terms would be off by units)."""
+    _runs(impl, torch.float32)
+    g = torch.Generator().manual_seed(K)
+    x = ((torch.randint(0, 2, (7, K), generator=g) * 2 - 1) * 127).float()
+    w = torch.where(torch.randint(0, 2, (5, K), generator=g) == 1, 127, -128).to(torch.int8)
+    w[0], w[1], x[0] = -128, 127, -127.0   # row 0: 127 * 128 * K, the largest sum, and -127 * 127 * K
+    s = torch.ones(5)
+    y = glm5_ops.w8a8_linear(x.to(DEVICE), w.to(DEVICE), s.to(DEVICE)).cpu()
+    exact = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(y, exact, rtol=0, atol=0)
+    torch.testing.assert_close(y, ref.w8a8_linear(x, w, s), rtol=0, atol=0)
+
+
 def test_linears_keep_leading_dims_and_approximate_float():
     """x [..., K] keeps its leading dims; int8 weights (and activations) stay close to the float product."""
     wf = fresh(48, 96, scale=96 ** -0.5)

@@ -214,8 +214,8 @@ def test_fused_moe_int8_digits_against_float64(T, D, I, E, k, busiest):
 @pytest.mark.skipif(not VNNI, reason="the fp32 paths already run here")
 def test_the_fp32_paths_of_cpus_without_vnni_against_the_oracle():
     """GLM5_NO_VNNI=1 turns the VNNI kernels off: the oracle tests of the int8 ops
-    (decode GEMV tiles, per-head tiles, dequantise + GEMM prefill, MoE) on the fp32
-    paths a CPU without VNNI takes."""
+    (decode GEMV tiles, per-head tiles, dequantise + GEMM prefill, MoE, W8A8's exact
+    sgemm chunks) on the paths a CPU without VNNI takes."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, GLM5_NO_VNNI="1")
     probe = subprocess.run([sys.executable, "-c", "import glm5_ops, torch; ops = torch.ops.glm5; "
@@ -223,7 +223,8 @@ def test_the_fp32_paths_of_cpus_without_vnni_against_the_oracle():
                            env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert probe.stdout.split() == ["avx512_fp32", "dequantise_gemm"], probe.stderr[-2000:]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_int8.py",
-                          "-k", "matches_oracle and (int8_linear or fused_moe_int8) and not triton and not reference"],
+                          "-k", "(matches_oracle or integer_bounds) and (int8_linear or fused_moe_int8 or w8a8) and not triton "
+                          "and not reference"],
                          env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " failed" not in run.stdout

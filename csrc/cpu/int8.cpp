@@ -30,8 +30,10 @@
 //   row in oneDNN's int8 GEMM, the decode kernel's accuracy); otherwise it
 //   dequantises the weight once into x's dtype and calls the BLAS GEMM (the
 //   dequantisation is O(N K) against the GEMM's O(M N K)). The W8A8 path calls
-//   at::_int_mm (oneDNN's u8s8 VNNI GEMM on this CPU), which measured faster
-//   than an fp32 or bf16 GEMM at prefill sizes.
+//   at::_int_mm (oneDNN's u8s8 VNNI GEMM) where the CPU has VNNI, which measured
+//   faster than an fp32 or bf16 GEMM at prefill sizes; without VNNI (AVX2) _int_mm
+//   measured 46x slower than sgemm, so there the same integers go through sgemm in
+//   exact chunks (int8_digit_gemm.h, int_mm_wt).
 // - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
 //   expert; when no expert has more than kGemvMaxRows rows (decode, T <= 16 with
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
