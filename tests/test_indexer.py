@@ -124,6 +124,15 @@ def test_fused_topk_32k_under_1gib():
     assert peak < 1.0, f"peak resident memory {peak:.2f} GiB >= 1 GiB"
 
 
+@pytest.mark.parametrize("H,D", [(11, 13), (3, 20), (9, 512)])
+def test_decode_kernel_odd_heads_dims_and_keys(backend, poisoned, H, D):
+    """Decode calls (at most 4 queries) take the CPU's transposing kernel (AVX-512: blocks
+    of 16 keys, AVX2: 8): heads past a multiple of 8, dims ending mid-vector, D at the
+    kernel's limit (512), and a last block of fewer keys (37)."""
+    q, w, k = _inputs(2, 2, 37, H, D, torch.float32)
+    _assert_scores_close(glm5_ops.indexer_scores(q, w, k), reference.indexer_scores(q, w, k), torch.float32)
+
+
 @pytest.mark.parametrize("S", [1, 3])
 def test_decode_long_context(backend, poisoned, S):
     """Decode-shaped calls (one query block, long T): the CPU kernel splits the
