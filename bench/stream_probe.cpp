@@ -15,6 +15,20 @@
 // GB/s of each, round after round, for `seconds`; then the medians of the rounds grouped
 // by what `read` measured in the same round (this host's bandwidth swings 30-60 GB/s
 // within minutes, so only same-round figures compare).
+//
+//   /tmp/stream_probe moe [seconds=60]
+//
+// The MoE decode's own access pattern instead (fused_moe_int8, `small`: experts of gate/up
+// [512, 1024] and down [1024, 256] int8, packed): per call n experts chosen at random from
+// 448 (336 MiB, 10x the L3), their gate/up blocks as one flat list of 4-row tiles split in
+// half between the two threads, a fork/join, then their down blocks likewise: what bounds
+// any kernel that reads those bytes, as a fraction of `read` in the same round. Variants:
+//   moe read        plain loads over the pattern (its ceiling, with the kernel's fork/joins)
+//   moe read 1fj    the same with one fork/join a call (each thread its gate/up share, then its down share)
+//   moe kernel      the packed decode arithmetic over the pattern (m activation rows per expert)
+//   kernel halves   the same, each expert's rows halved between the threads (both in one expert at a time)
+//   rows_digits     csrc/cpu/int8_vnni.h's rows_digits itself (fused_moe_int8's decode loop) over the pattern
+// at n, m = 6, 1 (T=1, top-6 of 64), 20, 1 (T=4) and 51, 2 (T=16; ~1.9 rows per chosen expert).
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -24,7 +38,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
+
+#include "../csrc/cpu/int8_vnni.h"
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
@@ -38,12 +55,12 @@ static int8_t* huge_buffer(size_t n) {
   return a;
 }
 
-alignas(64) static int8_t digits[3][4096];
+alignas(64) static int8_t digits[2][3][4096];   // [activation row][digit][k]
 
-// 4 rows x K against 3 digit rows; PACKED: chunk c of row j at w + (4 c + j) * 64.
-template <bool PACKED, bool PREFETCH>
+// 4 rows x K against M activation rows of 3 digits; PACKED: chunk c of row j at w + (4 c + j) * 64.
+template <bool PACKED, bool PREFETCH, int M = 1>
 VNNI inline void block(const int8_t* w, int64_t K, uint32_t* out) {
-  __m512i acc[4][3];
+  __m512i acc[4][3 * M];
   for (auto& a : acc)
     for (auto& d : a) d = _mm512_setzero_si512();
   const __m512i flip = _mm512_set1_epi8(char(0x80));
@@ -54,21 +71,21 @@ VNNI inline void block(const int8_t* w, int64_t K, uint32_t* out) {
       wv[j] = _mm512_xor_si512(_mm512_loadu_si512(p), flip);
       if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(w + 8192 + k * 4 + j * 64), _MM_HINT_T1);
     }
-    for (int d = 0; d < 3; ++d) {
-      const __m512i q = _mm512_load_si512(digits[d] + k);
+    for (int d = 0; d < 3 * M; ++d) {
+      const __m512i q = _mm512_load_si512(digits[d / 3][d % 3] + k);
       for (int j = 0; j < 4; ++j) acc[j][d] = _mm512_dpbusd_epi32(acc[j][d], wv[j], q);
     }
   }
   for (int j = 0; j < 4; ++j)
-    for (int d = 0; d < 3; ++d) out[j * 3 + d] += _mm512_reduce_add_epi32(acc[j][d]);
+    for (int d = 0; d < 3 * M; ++d) out[(j * 3 * M + d) % 16] += _mm512_reduce_add_epi32(acc[j][d]);
 }
 
 enum Variant { kRead, kPlainPf, kPackedPf, kPacked, kPacked1M };
 static const char* kNames[] = {"read", "plain+pf", "packed+pf", "packed", "packed 1MiB"};
 
-template <bool PACKED, bool PREFETCH>
+template <bool PACKED, bool PREFETCH, int M = 1>
 VNNI void span(const int8_t* w, size_t bytes, int64_t K, uint32_t* out) {
-  for (size_t off = 0; off + 4 * K <= bytes; off += 4 * K) block<PACKED, PREFETCH>(w + off, K, out);
+  for (size_t off = 0; off + 4 * K <= bytes; off += 4 * K) block<PACKED, PREFETCH, M>(w + off, K, out);
 }
 
 VNNI void read_only(const int8_t* w, size_t bytes, uint32_t* out) {
@@ -102,7 +119,153 @@ static double gbps(Variant v, const int8_t* w, size_t total, int64_t K, uint32_t
   return done / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
 }
 
+// ---- the MoE decode pattern (`moe` mode) ----
+constexpr int64_t kExperts = 448, kGateUp = 512 * 1024, kDown = 1024 * 256;   // bytes per expert
+
+enum MoeVariant { kMoeRead, kMoeRead1, kMoeKernel, kMoeKernelHalves, kMoeRows };
+static const char* kMoeNames[] = {"moe read", "moe read 1fj", "moe kernel", "kernel halves", "rows_digits"};
+static glm5::cpu::vnni::ActDigits* g_digits[2];   // K = 1024, 256
+static float g_scale[1024], g_y[2 * 1024];
+
+// Thread t's half of the flat 4-row tile list over `chosen` blocks of `bytes` (rows of K bytes) at base.
+template <int M>
+VNNI void moe_share(MoeVariant v, const int8_t* base, const std::vector<int>& chosen, int64_t bytes, int64_t K,
+                    int t, uint32_t* out) {
+  const int64_t tile = 4 * K, per = bytes / tile, tiles = int64_t(chosen.size()) * per;
+  if (v == kMoeKernelHalves) {   // thread t: half t of every expert (both threads in one expert at a time)
+    for (int c : chosen)
+      span<true, false, M>(base + c * bytes + t * (per / 2) * tile, (per / 2) * tile, K, out);
+    return;
+  }
+  const int64_t t0 = tiles * t / 2, t1 = tiles * (t + 1) / 2;
+  if (v == kMoeRows) {   // the real kernel's rows_digits over the same runs (8-row tiles, as the op)
+    const auto& d = *g_digits[K == 1024 ? 0 : 1];
+    const int64_t N = bytes / K;
+    for (int64_t i = t0; i < t1;) {
+      const int64_t e = i / per, end = std::min(t1, (e + 1) * per);
+      glm5::cpu::vnni::rows_digits(d, 0, M, base + chosen[e] * bytes, (i - e * per) * 4, (end - e * per) * 4,
+                                   g_scale, nullptr, g_y, N, true);
+      i = end;
+    }
+    return;
+  }
+  for (int64_t i = t0; i < t1;) {   // one run per expert, as the kernel's run_digits
+    const int64_t e = i / per, end = std::min(t1, (e + 1) * per);
+    const int8_t* w = base + chosen[e] * bytes + (i - e * per) * tile;
+    if (v != kMoeRead && v != kMoeRead1) span<true, false, M>(w, (end - i) * tile, K, out);
+    else read_only(w, (end - i) * tile, out);
+    i = end;
+  }
+}
+
+template <int M>
+VNNI double moe_gbps(MoeVariant v, const int8_t* w, int n, uint32_t* sink, unsigned* seed) {
+  const int8_t *gate_up = w, *down = w + kExperts * kGateUp;
+  const int calls = int((int64_t(256) << 20) / (n * (kGateUp + kDown))) + 1;
+  std::vector<std::vector<int>> routes(calls);
+  for (auto& r : routes) {   // n distinct experts, ascending (as the kernel's `active`)
+    std::vector<int> all(kExperts);
+    for (int i = 0; i < kExperts; ++i) all[i] = i;
+    for (int i = 0; i < n; ++i) std::swap(all[i], all[i + rand_r(seed) % (kExperts - i)]);
+    r.assign(all.begin(), all.begin() + n);
+    std::sort(r.begin(), r.end());
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const auto& r : routes) {
+    if (v == kMoeRead1) {
+#pragma omp parallel num_threads(2)
+      {
+        const int t = omp_get_thread_num();
+        uint32_t out[16] = {0};
+        moe_share<M>(v, gate_up, r, kGateUp, 1024, t, out);
+        moe_share<M>(v, down, r, kDown, 256, t, out);
+        sink[t] += out[0];
+      }
+      continue;
+    }
+#pragma omp parallel num_threads(2)
+    {
+      const int t = omp_get_thread_num();
+      uint32_t out[16] = {0};
+      moe_share<M>(v, gate_up, r, kGateUp, 1024, t, out);
+      sink[t] += out[0];
+    }
+#pragma omp parallel num_threads(2)
+    {
+      const int t = omp_get_thread_num();
+      uint32_t out[16] = {0};
+      moe_share<M>(v, down, r, kDown, 256, t, out);
+      sink[t] += out[0];
+    }
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return double(calls) * n * (kGateUp + kDown) / s / 1e9;
+}
+
+static std::vector<double> medians(const std::vector<std::vector<double>>& rounds) {
+  std::vector<double> m;
+  for (size_t v = 0; v < rounds[0].size(); ++v) {
+    std::vector<double> x;
+    for (const auto& r : rounds) x.push_back(r[v]);
+    std::nth_element(x.begin(), x.begin() + x.size() / 2, x.end());
+    m.push_back(x[x.size() / 2]);
+  }
+  return m;
+}
+
+static int moe_main(double seconds) {
+  for (int i = 0; i < 2 * 3 * 4096; ++i) (&digits[0][0][0])[i] = int8_t(i % 11 - 5);
+  const int8_t* w = huge_buffer(size_t(kExperts) * (kGateUp + kDown));
+  const int8_t* plain = huge_buffer(size_t(512) << 20);
+  static float x[2][1024];
+  for (int i = 0; i < 2 * 1024; ++i) (&x[0][0])[i] = float(i % 13) - 6.f;
+  g_digits[0] = new glm5::cpu::vnni::ActDigits(glm5::cpu::vnni::make_digits(&x[0][0], 2, 1024, 1024));
+  g_digits[1] = new glm5::cpu::vnni::ActDigits(glm5::cpu::vnni::make_digits(&x[0][0], 2, 256, 1024));
+  for (auto& v : g_scale) v = 1.f;
+  uint32_t sink[2] = {0, 0};
+  unsigned seed = 1;
+  struct Case { int n, m; const char* name; } cases[] = {{6, 1, "T=1"}, {20, 1, "T=4"}, {51, 2, "T=16"}};
+  // per round: read, then per case the three variants
+  std::vector<std::vector<double>> rounds;
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < seconds) {
+    std::vector<double> r{gbps(kRead, plain, size_t(512) << 20, 1024, sink)};
+    for (const auto& c : cases)
+      for (int v = kMoeRead; v <= kMoeRows; ++v)
+        r.push_back(c.m == 1 ? moe_gbps<1>(MoeVariant(v), w, c.n, sink, &seed)
+                             : moe_gbps<2>(MoeVariant(v), w, c.n, sink, &seed));
+    rounds.push_back(r);
+    std::printf("read %.1f", r[0]);
+    for (size_t c = 0; c < 3; ++c)
+      std::printf(" | %s %.1f / %.1f / %.1f / %.1f / %.1f", cases[c].name, r[1 + 5 * c], r[2 + 5 * c], r[3 + 5 * c], r[4 + 5 * c], r[5 + 5 * c]);
+    std::printf(" GB/s (moe read / read 1fj / kernel / halves / rows_digits)\n");
+    std::fflush(stdout);
+  }
+  std::printf("\nmedians by the round's read bandwidth, GB/s and %% of read:\n");
+  for (const auto& [lo, hi] : std::vector<std::pair<double, double>>{{0, 42}, {42, 1e9}}) {
+    std::vector<std::vector<double>> sel;
+    for (const auto& r : rounds)
+      if (r[0] >= lo && r[0] < hi) sel.push_back(r);
+    if (sel.empty()) continue;
+    const auto m = medians(sel);
+    std::printf("read %s %.0f GB/s, %zu rounds: read %.1f\n", hi > 1e8 ? ">=" : "<", hi > 1e8 ? lo : hi, sel.size(), m[0]);
+    for (size_t c = 0; c < 3; ++c) {
+      std::printf("  %-4s", cases[c].name);
+      for (int v = 0; v < 5; ++v) std::printf(" | %s %.1f (%.0f%%)", kMoeNames[v], m[1 + 5 * c + v], 100 * m[1 + 5 * c + v] / m[0]);
+      std::printf("\n");
+    }
+  }
+  return sink[0] == 12345 && sink[1] == 54321;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "moe") {
+    if (!__builtin_cpu_supports("avx512vnni")) {
+      std::fprintf(stderr, "this CPU has no AVX512_VNNI\n");
+      return 2;
+    }
+    return moe_main(argc > 2 ? std::atof(argv[2]) : 60);
+  }
   const int64_t K = argc > 1 ? std::atoi(argv[1]) : 1024;
   const double seconds = argc > 2 ? std::atof(argv[2]) : 60;
   if (K < 64 || K % 64 || K > 4096) {
@@ -113,7 +276,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "this CPU has no AVX512_VNNI\n");
     return 2;
   }
-  for (int i = 0; i < 3 * 4096; ++i) (&digits[0][0])[i] = int8_t(i % 11 - 5);
+  for (int i = 0; i < 2 * 3 * 4096; ++i) (&digits[0][0][0])[i] = int8_t(i % 11 - 5);
   const size_t total = size_t(512) << 20;
   const int8_t* w = huge_buffer(total);
   uint32_t sink[2] = {0, 0};
