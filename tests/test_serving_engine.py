@@ -78,11 +78,20 @@ CASES = {   # name: (preset, attn, engine kwargs, workload kwargs)
 _ALONE = {}
 
 
+# (requests, shared prefixes) per workload: `tiny` takes 64 requests; `small` (8 wider layers,
+# ~10x the time a token) takes 24, still more than max_num_seqs=16 running at once, so
+# requests queue, chunk and (with 24 pages) get preempted; 2 shared prefixes, so each
+# recurs 6 times, as often as `tiny`'s 4 among 64 (prefix-cache hits).
+WORKLOAD = {"tiny": (64, 4), "small": (24, 2)}
+
+
 def _model_and_alone(name, attn):
-    """The model, its 64-request workload and each request's tokens alone (computed once per model)."""
+    """The model, its workload and each request's tokens alone (computed once per model)."""
     if (name, attn) not in _ALONE:
         model = _model(name, attn)
-        prompts, params = _workload(model.config.vocab_size, 64, seed=1, max_prompt=120, max_out=24)
+        n, shared = WORKLOAD[name]
+        prompts, params = _workload(model.config.vocab_size, n, seed=1, max_prompt=120, max_out=24,
+                                    shared_prefixes=shared)
         _ALONE[name, attn] = model, prompts, params, _alone(model, prompts, params)
     return _ALONE[name, attn]
 
