@@ -27,6 +27,13 @@ def _dtypes(backend):
     return [torch.float32, torch.float16, torch.bfloat16]
 
 
+def _query_rows(backend, B, S):
+    """Triton's interpreter runs each program in Python: there a shape keeps at most 2 x 17
+    of its query rows, still two query blocks of the kernel's 16, the second partial (its
+    keys, heads and dims stay; a GPU runs every row)."""
+    return (B, S) if big_ok(backend) else (min(B, 2), min(S, 17))
+
+
 def _inputs(B, S, T, H, D, dtype):
     return fresh(B, S, H, D, dtype=dtype), fresh(B, S, H, dtype=dtype).abs(), fresh(B, T, D, dtype=dtype)
 
@@ -48,6 +55,7 @@ def _assert_scores_close(got, want, dtype):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("B,S,T,H,D", SHAPES)
 def test_scores_match_reference(backend, poisoned, B, S, T, H, D, causal):
+    B, S = _query_rows(backend, B, S)
     for dtype in _dtypes(backend):
         q, w, k = _inputs(B, S, T, H, D, dtype)
         for qs in _q_starts(B, S, T):
@@ -58,6 +66,7 @@ def test_scores_match_reference(backend, poisoned, B, S, T, H, D, causal):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("B,S,T,H,D", SHAPES)
 def test_topk_matches_reference(backend, poisoned, B, S, T, H, D, causal):
+    B, S = _query_rows(backend, B, S)
     for dtype in _dtypes(backend):
         q, w, k = _inputs(B, S, T, H, D, dtype)
         # The interpreter is slow: one topk per dtype there, all three elsewhere.

@@ -6,7 +6,7 @@ import torch
 
 import glm5_ops
 from glm5_ops import reference as ref
-from conftest import BACKENDS, DEVICE, float_dtypes, fresh
+from conftest import BACKENDS, DEVICE, INTERPRETED, float_dtypes, fresh
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -73,6 +73,8 @@ def test_int8_linear_matches_oracle(impl, poisoned, M, K, N, dtype, with_bias):
 def test_int8_linear_heads_matches_oracle(impl, poisoned, H, M, K, N, strided, dtype):
     """Each head's product; strided: w's and scale's heads apart, as MLA's W_UV view of kv_b_proj."""
     _runs(impl, dtype)
+    if impl == "triton" and INTERPRETED and H == 16 and (K, N) != (37, 11):
+        pytest.skip("Triton's interpreter: 16 heads run at K, N = 37, 11 only (~15 s a case otherwise)")
     w, s = glm5_ops.quantize_int8(fresh(H, N + 5 * strided, K, scale=K ** -0.5))
     if strided:
         w, s = w[:, 5:], s[:, 5:]
