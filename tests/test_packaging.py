@@ -49,7 +49,7 @@ def test_runtime_dependencies():
 
 def test_test_extra_brings_what_the_suite_imports():
     reqs = _names(setup_state.requirements(["test"]))
-    for name in ("pytest", "pytest-benchmark", "hypothesis", "transformers", "safetensors"):
+    for name in ("pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "transformers", "safetensors"):
         assert name in reqs, f"the test extra lacks {name}"
     assert reqs["transformers"] == "==5.23.0"
 
