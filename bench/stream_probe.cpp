@@ -29,6 +29,10 @@
 //   kernel halves   the same, each expert's rows halved between the threads (both in one expert at a time)
 //   rows_digits     csrc/cpu/int8_vnni.h's rows_digits itself (fused_moe_int8's decode loop) over the pattern
 // at n, m = 6, 1 (T=1, top-6 of 64), 20, 1 (T=4) and 51, 2 (T=16; ~1.9 rows per chosen expert).
+//
+//   /tmp/stream_probe rows
+//
+// rows_digits hot in L2 on one thread at K = 256, 512, 1024 (the cost of a block beyond its loop).
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -258,7 +262,29 @@ static int moe_main(double seconds) {
   return sink[0] == 12345 && sink[1] == 54321;
 }
 
+// `rows` mode: rows_digits hot (256 KiB of packed rows in L2, one thread, one activation
+// row) at K = 256, 512, 1024: what a 4-row block costs beyond its vpdpbusd.
+static int rows_main() {
+  static float x[1024], scale[1024], y[1024];
+  for (int i = 0; i < 1024; ++i) x[i] = float(i % 13) - 6.f, scale[i] = 1.f;
+  const int8_t* w = huge_buffer(size_t(256) << 10);
+  for (int K : {256, 512, 1024}) {
+    const auto d = glm5::cpu::vnni::make_digits(x, 1, K, 1024);
+    const int64_t N = (int64_t(256) << 10) / K;
+    double best = 1e9;
+    for (int rep = 0; rep < 20; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int it = 0; it < 200; ++it) glm5::cpu::vnni::rows_digits(d, 0, 1, w, 0, N, scale, nullptr, y, N, true);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 200);
+    }
+    std::printf("K=%d: %.2f us per 256 KiB (%ld blocks of 4 rows), %.1f GB/s\n", K, best * 1e6, long(N / 4),
+                (256 << 10) / best / 1e9);
+  }
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "rows") return rows_main();
   if (argc > 1 && std::string(argv[1]) == "moe") {
     if (!__builtin_cpu_supports("avx512vnni")) {
       std::fprintf(stderr, "this CPU has no AVX512_VNNI\n");
