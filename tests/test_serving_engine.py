@@ -81,7 +81,7 @@ _ALONE = {}
 # (requests, shared prefixes) per workload: `tiny` takes 64 requests; `small` (8 wider layers,
 # ~10x the time a token) takes 24, still more than max_num_seqs=16 running at once, so
 # requests queue, chunk and (with 24 pages) get preempted; 2 shared prefixes, so each
-# recurs 6 times, as often as `tiny`'s 4 among 64 (prefix-cache hits).
+# recurs 6 times (`tiny`'s 4 recur 8 times) and the prefix cache has hits to find.
 WORKLOAD = {"tiny": (64, 4), "small": (24, 2)}
 
 
