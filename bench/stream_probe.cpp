@@ -142,22 +142,16 @@ VNNI void moe_share(MoeVariant v, const int8_t* base, const std::vector<int>& ch
     return;
   }
   const int64_t t0 = tiles * t / 2, t1 = tiles * (t + 1) / 2;
-  if (v == kMoeRows) {   // the real kernel's rows_digits over the same runs (8-row tiles, as the op)
-    const auto& d = *g_digits[K == 1024 ? 0 : 1];
-    const int64_t N = bytes / K;
-    for (int64_t i = t0; i < t1;) {
-      const int64_t e = i / per, end = std::min(t1, (e + 1) * per);
-      glm5::cpu::vnni::rows_digits(d, 0, M, base + chosen[e] * bytes, (i - e * per) * 4, (end - e * per) * 4,
-                                   g_scale, nullptr, g_y, N, true);
-      i = end;
-    }
-    return;
-  }
   for (int64_t i = t0; i < t1;) {   // one run per expert, as the kernel's run_digits
     const int64_t e = i / per, end = std::min(t1, (e + 1) * per);
-    const int8_t* w = base + chosen[e] * bytes + (i - e * per) * tile;
-    if (v != kMoeRead && v != kMoeRead1) span<true, false, M>(w, (end - i) * tile, K, out);
-    else read_only(w, (end - i) * tile, out);
+    const int8_t* w = base + chosen[e] * bytes;
+    if (v == kMoeRows)   // the real kernel's loop over the run's rows
+      glm5::cpu::vnni::rows_digits(*g_digits[K == 1024 ? 0 : 1], 0, M, w, (i - e * per) * 4, (end - e * per) * 4,
+                                   g_scale, nullptr, g_y, bytes / K, true);
+    else if (v == kMoeKernel)
+      span<true, false, M>(w + (i - e * per) * tile, (end - i) * tile, K, out);
+    else
+      read_only(w + (i - e * per) * tile, (end - i) * tile, out);
     i = end;
   }
 }
@@ -174,32 +168,24 @@ VNNI double moe_gbps(MoeVariant v, const int8_t* w, int n, uint32_t* sink, unsig
     r.assign(all.begin(), all.begin() + n);
     std::sort(r.begin(), r.end());
   }
+  // One parallel region over the chosen gate/up blocks, the down blocks, or both.
+  const auto region = [&](const std::vector<int>& r, bool gate_up_share, bool down_share) {
+#pragma omp parallel num_threads(2)
+    {
+      const int t = omp_get_thread_num();
+      uint32_t out[16] = {0};
+      if (gate_up_share) moe_share<M>(v, gate_up, r, kGateUp, 1024, t, out);
+      if (down_share) moe_share<M>(v, down, r, kDown, 256, t, out);
+      sink[t] += out[0];
+    }
+  };
   const auto t0 = std::chrono::steady_clock::now();
   for (const auto& r : routes) {
     if (v == kMoeRead1) {
-#pragma omp parallel num_threads(2)
-      {
-        const int t = omp_get_thread_num();
-        uint32_t out[16] = {0};
-        moe_share<M>(v, gate_up, r, kGateUp, 1024, t, out);
-        moe_share<M>(v, down, r, kDown, 256, t, out);
-        sink[t] += out[0];
-      }
-      continue;
-    }
-#pragma omp parallel num_threads(2)
-    {
-      const int t = omp_get_thread_num();
-      uint32_t out[16] = {0};
-      moe_share<M>(v, gate_up, r, kGateUp, 1024, t, out);
-      sink[t] += out[0];
-    }
-#pragma omp parallel num_threads(2)
-    {
-      const int t = omp_get_thread_num();
-      uint32_t out[16] = {0};
-      moe_share<M>(v, down, r, kDown, 256, t, out);
-      sink[t] += out[0];
+      region(r, true, true);
+    } else {
+      region(r, true, false);
+      region(r, false, true);
     }
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -217,8 +203,21 @@ static std::vector<double> medians(const std::vector<std::vector<double>>& round
   return m;
 }
 
+// The rounds grouped by what `read` (each round's first figure) measured, below 42 GB/s and
+// from 42 up: prints the group's header and hands fn the group's per-figure medians.
+template <class F>
+static void by_read(const std::vector<std::vector<double>>& rounds, F fn) {
+  for (const auto& [lo, hi] : std::vector<std::pair<double, double>>{{0, 42}, {42, 1e9}}) {
+    std::vector<std::vector<double>> sel;
+    for (const auto& r : rounds)
+      if (r[0] >= lo && r[0] < hi) sel.push_back(r);
+    if (sel.empty()) continue;
+    std::printf("read %s %.0f GB/s, %zu rounds:", hi > 1e8 ? ">=" : "<", hi > 1e8 ? lo : hi, sel.size());
+    fn(medians(sel));
+  }
+}
+
 static int moe_main(double seconds) {
-  for (int i = 0; i < 2 * 3 * 4096; ++i) (&digits[0][0][0])[i] = int8_t(i % 11 - 5);
   const int8_t* w = huge_buffer(size_t(kExperts) * (kGateUp + kDown));
   const int8_t* plain = huge_buffer(size_t(512) << 20);
   static float x[2][1024];
@@ -229,7 +228,7 @@ static int moe_main(double seconds) {
   uint32_t sink[2] = {0, 0};
   unsigned seed = 1;
   struct Case { int n, m; const char* name; } cases[] = {{6, 1, "T=1"}, {20, 1, "T=4"}, {51, 2, "T=16"}};
-  // per round: read, then per case the three variants
+  // per round: read, then per case each variant
   std::vector<std::vector<double>> rounds;
   const auto start = std::chrono::steady_clock::now();
   while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < seconds) {
@@ -246,19 +245,14 @@ static int moe_main(double seconds) {
     std::fflush(stdout);
   }
   std::printf("\nmedians by the round's read bandwidth, GB/s and %% of read:\n");
-  for (const auto& [lo, hi] : std::vector<std::pair<double, double>>{{0, 42}, {42, 1e9}}) {
-    std::vector<std::vector<double>> sel;
-    for (const auto& r : rounds)
-      if (r[0] >= lo && r[0] < hi) sel.push_back(r);
-    if (sel.empty()) continue;
-    const auto m = medians(sel);
-    std::printf("read %s %.0f GB/s, %zu rounds: read %.1f\n", hi > 1e8 ? ">=" : "<", hi > 1e8 ? lo : hi, sel.size(), m[0]);
+  by_read(rounds, [&](const std::vector<double>& m) {
+    std::printf(" read %.1f\n", m[0]);
     for (size_t c = 0; c < 3; ++c) {
       std::printf("  %-4s", cases[c].name);
       for (int v = 0; v < 5; ++v) std::printf(" | %s %.1f (%.0f%%)", kMoeNames[v], m[1 + 5 * c + v], 100 * m[1 + 5 * c + v] / m[0]);
       std::printf("\n");
     }
-  }
+  });
   return sink[0] == 12345 && sink[1] == 54321;
 }
 
@@ -284,25 +278,19 @@ static int rows_main() {
 }
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "rows") return rows_main();
-  if (argc > 1 && std::string(argv[1]) == "moe") {
-    if (!__builtin_cpu_supports("avx512vnni")) {
-      std::fprintf(stderr, "this CPU has no AVX512_VNNI\n");
-      return 2;
-    }
-    return moe_main(argc > 2 ? std::atof(argv[2]) : 60);
+  if (!__builtin_cpu_supports("avx512vnni")) {
+    std::fprintf(stderr, "this CPU has no AVX512_VNNI\n");
+    return 2;
   }
+  for (int i = 0; i < 2 * 3 * 4096; ++i) (&digits[0][0][0])[i] = int8_t(i % 11 - 5);
+  if (argc > 1 && std::string(argv[1]) == "rows") return rows_main();
+  if (argc > 1 && std::string(argv[1]) == "moe") return moe_main(argc > 2 ? std::atof(argv[2]) : 60);
   const int64_t K = argc > 1 ? std::atoi(argv[1]) : 1024;
   const double seconds = argc > 2 ? std::atof(argv[2]) : 60;
   if (K < 64 || K % 64 || K > 4096) {
     std::fprintf(stderr, "K must be a multiple of 64 in [64, 4096], got %ld\n", long(K));
     return 2;
   }
-  if (!__builtin_cpu_supports("avx512vnni")) {
-    std::fprintf(stderr, "this CPU has no AVX512_VNNI\n");
-    return 2;
-  }
-  for (int i = 0; i < 2 * 3 * 4096; ++i) (&digits[0][0][0])[i] = int8_t(i % 11 - 5);
   const size_t total = size_t(512) << 20;
   const int8_t* w = huge_buffer(total);
   uint32_t sink[2] = {0, 0};
@@ -318,19 +306,9 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   std::printf("\nmedians by the round's read bandwidth (K=%ld):\n", long(K));
-  for (const auto& [lo, hi] : std::vector<std::pair<double, double>>{{0, 42}, {42, 1e9}}) {
-    std::vector<std::vector<double>> sel;
-    for (const auto& r : rounds)
-      if (r[kRead] >= lo && r[kRead] < hi) sel.push_back(r);
-    if (sel.empty()) continue;
-    std::printf("read %s %.0f GB/s, %zu rounds:", hi > 1e8 ? ">=" : "<", hi > 1e8 ? lo : hi, sel.size());
-    for (int v = kRead; v <= kPacked1M; ++v) {
-      std::vector<double> x;
-      for (const auto& r : sel) x.push_back(r[v]);
-      std::nth_element(x.begin(), x.begin() + x.size() / 2, x.end());
-      std::printf(" | %s %.1f", kNames[v], x[x.size() / 2]);
-    }
+  by_read(rounds, [&](const std::vector<double>& m) {
+    for (int v = kRead; v <= kPacked1M; ++v) std::printf(" | %s %.1f", kNames[v], m[v]);
     std::printf(" GB/s\n");
-  }
+  });
   return sink[0] == 12345 && sink[1] == 54321;   // keeps the loops
 }
