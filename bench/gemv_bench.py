@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import glm5_ops  # noqa: E402
 from glm5_ops import plan  # noqa: E402
-from glm5_ops.int8 import pack_rows4, packed_experts_pay  # noqa: E402
+from glm5_ops.int8 import pack_rows, packed_experts_pay  # noqa: E402
 from glm5_ops.memory import on_huge_pages, weights_on_huge_pages  # noqa: E402
 from models.glm5 import DEFAULT_SKIP, GLM5ForCausalLM, preset, quantize  # noqa: E402
 
@@ -131,7 +131,7 @@ def bench_moe(a, bw):
         wgu, sgu = glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5)
         wd, sd = glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)
         for name, layers in layouts.items():   # as the model keeps its experts: on huge pages
-            pack = pack_rows4 if name == "packed" else (lambda w: w)
+            pack = pack_rows if name == "packed" else (lambda w: w)
             layers.append(tuple(map(on_huge_pages, (pack(wgu), sgu, pack(wd), sd))))
     expert_bytes = 3 * I * D + 4 * (2 * I + D)
     for T in (1, 4, 16):

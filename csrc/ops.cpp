@@ -83,7 +83,7 @@ TORCH_LIBRARY(glm5, m) {
   // fused_moe_fwd with int8 experts: w_gate_up int8[E,2I,D], gate_up_scale fp32[E,2I],
   // w_down int8[E,D,I], down_scale fp32[E,D] -> [T,D] x.dtype; w8a8: an expert's rows (when it has
   // more than a few) are quantised per row at run time and multiplied in int8, as in w8a8_linear
-  // packed: w_gate_up and w_down in the packed row layout of glm5_ops.int8.pack_rows4 (the CPU
+  // packed: w_gate_up and w_down in the packed row layout of glm5_ops.int8.pack_rows (the CPU
   // decode kernel reads it as one stream); the CPU kernel only, where the VNNI decode kernel runs
   m.def("fused_moe_int8(Tensor x, Tensor w_gate_up, Tensor gate_up_scale, Tensor w_down, Tensor down_scale, "
         "Tensor weights, Tensor ids, bool w8a8, bool packed=False) -> Tensor");

@@ -14,7 +14,7 @@ Layouts (glm5_ops/reference.py is the spec):
                                   w_gate_up int8 [E,2I,D] + fp32 [E,2I], w_down int8 [E,D,I] + fp32 [E,D];
                                   otherwise as glm5_ops.fused_moe. w8a8: experts with more than
                                   W8A8_MIN_ROWS rows also quantise their activations. packed: both
-                                  weights in pack_rows4's layout (what the CPU decode kernel reads
+                                  weights in pack_rows's layout (what the CPU decode kernel reads
                                   fastest: packed_experts_pay says where)
 
     q, s = glm5_ops.quantize_int8(linear.weight)          # per output channel
@@ -33,7 +33,7 @@ import torch
 
 from . import _checks as check
 from . import reference
-from ._backend import _C, cpp_ops, define_triton_ops, dispatch, register_op, triton_ops
+from ._backend import _C, cpp_ops, current_backend, define_triton_ops, dispatch, register_op, triton_ops
 
 W8A8_MIN_ROWS = reference.W8A8_MIN_ROWS
 MAX_K_W8A8 = 131072   # K * 127 * 127 < 2^31: the int32 accumulator cannot overflow
@@ -129,7 +129,7 @@ def w8a8_linear(x, w, scale, bias=None):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-pack_rows4, unpack_rows4 = reference.pack_rows4, reference.unpack_rows4
+pack_rows, unpack_rows = reference.pack_rows, reference.unpack_rows
 
 
 def packed_experts_pay(device: torch.device, D: int, I: int) -> bool:
@@ -149,7 +149,12 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
     [E,D,I], down_scale fp32 [E,D]; weights [T,k] float; ids int32/int64 [T,k] in [0,E).
     Returns [T,D] in x.dtype, computed in fp32. w8a8=True: an expert with more than
     W8A8_MIN_ROWS rows quantises its activations per row too (int8 GEMMs). packed=True:
-    w_gate_up and w_down are in pack_rows4's layout (off the CPU they are unpacked first)."""
+    w_gate_up and w_down are in pack_rows's layout (off the CPU they are unpacked first)."""
+    if _straight_to_cpu_kernel(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, packed):
+        try:
+            return _C_FUSED_MOE_INT8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, bool(w8a8), packed)
+        except (TypeError, ValueError, IndexError, RuntimeError):
+            pass   # bad input: the checks below raise the error that names the argument
     check.tensor(x, "x", "[T,D]", rank=2)
     T, D = x.shape
     if not isinstance(w_gate_up, torch.Tensor) or w_gate_up.dim() != 3 or w_gate_up.shape[2] != D \
@@ -178,7 +183,7 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
     if not isinstance(packed, bool):
         raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
     if packed and device.type != "cpu":   # the layout is the CPU kernel's; the GPU kernels read plain rows
-        w_gate_up, w_down, packed = unpack_rows4(w_gate_up), unpack_rows4(w_down), False
+        w_gate_up, w_down, packed = unpack_rows(w_gate_up), unpack_rows(w_down), False
     args = (x.contiguous(), w_gate_up.contiguous(), gate_up_scale.contiguous(), w_down.contiguous(),
             down_scale.contiguous(), weights.contiguous(), ids.to(torch.int32).contiguous(), bool(w8a8), packed)
     return dispatch("fused_moe_int8", device, {
@@ -186,6 +191,24 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
         "triton": lambda: triton_ops(device).fused_moe_int8(*args),
         "reference": lambda: reference.fused_moe_int8(*args),
     })
+
+
+_C_FUSED_MOE_INT8 = _C and torch.ops.glm5.fused_moe_int8.default
+_CPU = torch.device("cpu")
+
+
+def _straight_to_cpu_kernel(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, packed) -> bool:
+    """Whether a fused_moe_int8 call goes to the C++ CPU kernel before the Python checks:
+    plain CPU tensors, int32 ids, float weights, the "cpp" backend, not while compiling.
+    The kernel checks every shape, dtype and id itself (csrc/checks.h, the counting sort),
+    so only a call it rejects runs the checks, for their message; a decode step calls this
+    op once per MoE layer, and the checks cost 15-35 us of a ~130 us call (bench/RESULTS.md)."""
+    for t in (x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids):
+        if type(t) is not torch.Tensor or t.device.type != "cpu":
+            return False
+    return (_C_FUSED_MOE_INT8 is not None and (packed is True or packed is False) and ids.dtype == torch.int32
+            and weights.dtype in check.FLOAT_DTYPES and current_backend(_CPU) == "cpp"
+            and not torch.compiler.is_compiling())
 
 
 def _quantize_rows_fake(x):

@@ -684,43 +684,37 @@ W8A8_MIN_ROWS = 16
 
 
 # The packed row layout of an int8 weight [..., N, K] (fused_moe_int8's packed=True, which
-# the CPU decode kernel reads as one sequential stream; csrc/cpu/int8_vnni.h): rows in groups
-# of PACK_ROWS (the last group: the N % PACK_ROWS rows left), each group's bytes ordered
-# chunk by chunk, 64 bytes of each of its rows in turn, then the rows' K % 64 tails in turn.
-# Same shape and bytes, permuted within each group.
-PACK_ROWS = 4
-
-
-def _pack_groups(w, nb, inverse):
-    *lead, R, K = w.shape
-    G, kfull = R // nb, K // 64 * 64
-    if not inverse:
-        g = w.reshape(*lead, G, nb, K)
-        main = g[..., :kfull].reshape(*lead, G, nb, kfull // 64, 64).transpose(-3, -2).reshape(*lead, G, nb * kfull)
-        tail = g[..., kfull:].reshape(*lead, G, nb * (K - kfull))
-        return torch.cat([main, tail], -1).reshape(w.shape)
-    flat = w.reshape(*lead, G, nb * K)
-    main = flat[..., :nb * kfull].reshape(*lead, G, kfull // 64, nb, 64).transpose(-3, -2).reshape(*lead, G, nb, kfull)
-    tail = flat[..., nb * kfull:].reshape(*lead, G, nb, K - kfull)
-    return torch.cat([main, tail], -1).reshape(w.shape)
+# the CPU decode kernel reads as one sequential stream, each vector 4 bytes of 16 rows;
+# csrc/cpu/int8_vnni.h): rows in groups of PACK_ROWS, each group's bytes ordered chunk by
+# chunk, PACK_CHUNK bytes of each of its rows in turn, then the rows' K % PACK_CHUNK tails in
+# turn; the N % PACK_ROWS rows after the last group stay plain. Same shape and bytes, permuted
+# within each group.
+PACK_ROWS, PACK_CHUNK = 16, 4
 
 
 def _pack(w, inverse):
-    N = w.shape[-2]
-    full = N // PACK_ROWS * PACK_ROWS
-    parts = [_pack_groups(w[..., :full, :], PACK_ROWS, inverse)]
-    if full < N:
-        parts.append(_pack_groups(w[..., full:, :], N - full, inverse))
-    return torch.cat(parts, -2)
+    *lead, N, K = w.shape
+    R, C = PACK_ROWS, PACK_CHUNK
+    G, kc = N // R, K // C * C
+    groups = w[..., :G * R, :]
+    if not inverse:   # each group [R, K] -> its chunks [kc / C, R, C], then its tails [R, K - kc]
+        rows = groups.reshape(*lead, G, R, K)
+        main = rows[..., :kc].reshape(*lead, G, R, kc // C, C).transpose(-3, -2).reshape(*lead, G, R * kc)
+        out = torch.cat([main, rows[..., kc:].reshape(*lead, G, R * (K - kc))], -1)
+    else:
+        flat = groups.reshape(*lead, G, R * K)
+        main = flat[..., :R * kc].reshape(*lead, G, kc // C, R, C).transpose(-3, -2).reshape(*lead, G, R, kc)
+        out = torch.cat([main, flat[..., R * kc:].reshape(*lead, G, R, K - kc)], -1)
+    return torch.cat([out.reshape(*lead, G * R, K), w[..., G * R:, :]], -2)
 
 
-def pack_rows4(w):
+def pack_rows(w):
     """w [..., N, K] -> the same weights in the packed row layout (above)."""
     return _pack(w, inverse=False)
 
 
-def unpack_rows4(w):
-    """The inverse of pack_rows4."""
+def unpack_rows(w):
+    """The inverse of pack_rows."""
     return _pack(w, inverse=True)
 
 
@@ -733,9 +727,9 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
     w8a8=True, for an expert with more than W8A8_MIN_ROWS rows: its gate/up input
     rows and its down input rows are quantised per row as in w8a8_linear
     (fp32 between the two products); other experts run weight-only. packed: both
-    weights in pack_rows4's layout."""
+    weights in pack_rows's layout."""
     if packed:
-        w_gate_up, w_down = unpack_rows4(w_gate_up), unpack_rows4(w_down)
+        w_gate_up, w_down = unpack_rows(w_gate_up), unpack_rows(w_down)
     T, D = x.shape
     out = torch.zeros(T, D, dtype=torch.float64, device=x.device)
     ids_l = ids.long()

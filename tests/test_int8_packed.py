@@ -1,4 +1,4 @@
-"""The packed row layout of int8 expert weights (glm5_ops/reference.py, pack_rows4):
+"""The packed row layout of int8 expert weights (glm5_ops/reference.py, pack_rows):
 the layout itself, fused_moe_int8(packed=True) against packed=False on every path
 of the kernel, and Int8Experts keeping its weights packed where the CPU decode
 kernel reads them fastest while state_dict and checkpoints hold plain rows."""
@@ -9,7 +9,7 @@ import torch
 
 import glm5_ops
 from glm5_ops import reference as ref
-from glm5_ops.int8 import pack_rows4, packed_experts_pay, unpack_rows4
+from glm5_ops.int8 import pack_rows, packed_experts_pay, unpack_rows
 from models.glm5 import GLM5ForCausalLM, preset, quantize, save_quantized
 from models.glm5.quantization import Int8Experts
 from conftest import BACKENDS, DEVICE, fresh
@@ -20,28 +20,31 @@ def _int8(*shape, seed=0):
 
 
 def _packed_offset(N, K, n, k):
-    """The byte of w[n, k] in the packed layout, as csrc/cpu/int8_vnni.h's packed_offset says."""
-    g = n // 4 * 4
-    nb, j, kfull = min(4, N - g), n - g, K // 64 * 64
-    in_group = (k // 64) * 64 * nb + j * 64 + k % 64 if k < kfull else kfull * nb + j * (K - kfull) + (k - kfull)
-    return g * K + in_group
+    """The byte of w[n, k] in the packed layout, as csrc/cpu/int8_vnni.h's packed_offset says:
+    groups of 16 rows, 4 bytes of each row in turn, then the rows' K % 4 tails; the rows
+    after the last group plain."""
+    if n >= N // 16 * 16:
+        return n * K + k
+    g, j, kc = n // 16 * 16, n % 16, K // 4 * 4
+    return g * K + (k // 4 * 64 + j * 4 + k % 4 if k < kc else kc * 16 + j * (K - kc) + (k - kc))
 
 
-@pytest.mark.parametrize("N,K", [(8, 128), (7, 100), (5, 64), (3, 30), (13, 200), (1, 1), (4, 63)])
+@pytest.mark.parametrize("N,K", [(16, 128), (17, 100), (33, 64), (15, 30), (40, 203), (1, 1), (16, 3), (32, 65)])
 def test_layout_is_the_one_the_kernel_reads(N, K):
     w = _int8(N, K, seed=N * K)
-    flat = pack_rows4(w).flatten()
+    flat = pack_rows(w).flatten()
     for n in range(N):
         for k in range(K):
             assert flat[_packed_offset(N, K, n, k)] == w[n, k], (n, k)
 
 
-@pytest.mark.parametrize("shape", [(3, 8, 128), (2, 7, 100), (5, 3), (0, 64), (9, 0), (4, 1, 64), (6, 13, 200)])
+@pytest.mark.parametrize("shape", [(3, 16, 128), (2, 37, 101), (5, 3), (0, 64), (9, 0), (16, 0), (4, 1, 64),
+                                   (6, 33, 202)])
 def test_pack_roundtrip_keeps_shape_and_bytes(shape):
     w = _int8(*shape)
-    p = pack_rows4(w)
+    p = pack_rows(w)
     assert p.shape == w.shape and p.dtype == torch.int8
-    assert torch.equal(unpack_rows4(p), w)
+    assert torch.equal(unpack_rows(p), w)
     assert torch.equal(p.flatten().sort().values, w.flatten().sort().values)   # a permutation
 
 
@@ -54,15 +57,17 @@ def _moe(T, D, I, E, k, seed):
 
 
 # T <= 16 with experts of few rows: the decode kernel (VNNI digits where the CPU has
-# them); T = 40, 70: experts with more than 16 rows (the GEMM paths, unpacked per expert).
-# Odd D and I: a group of fewer than 4 rows and rows with a tail shorter than 64 bytes.
+# them; T = 16 over 8 experts: 9-16 rows an expert, more than one pass of 8 over a group);
+# T = 40, 70: experts with more than 16 rows (the GEMM paths, unpacked per expert).
+# Odd D and I: plain rows after the last group of 16, and rows with a tail of 1-3 bytes.
 @pytest.mark.parametrize("T,D,I,E,k", [(1, 1024, 256, 16, 6), (3, 100, 37, 5, 2), (16, 64, 50, 4, 3),
+                                       (16, 96, 42, 8, 6),
                                        (2, 7, 3, 3, 2), (5, 200, 129, 7, 3), (40, 130, 66, 6, 2), (70, 33, 17, 3, 3)])
 @pytest.mark.parametrize("w8a8", [False, True])
 def test_packed_equals_plain_bit_for_bit(T, D, I, E, k, w8a8):
     x, wgu, sgu, wd, sd, weights, ids = _moe(T, D, I, E, k, seed=T + D)
     plain = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids, w8a8=w8a8)
-    packed = glm5_ops.fused_moe_int8(x, pack_rows4(wgu), sgu, pack_rows4(wd), sd, weights, ids, w8a8=w8a8,
+    packed = glm5_ops.fused_moe_int8(x, pack_rows(wgu), sgu, pack_rows(wd), sd, weights, ids, w8a8=w8a8,
                                      packed=True)
     assert torch.equal(packed, plain)
     torch.testing.assert_close(packed, ref.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids, w8a8=w8a8).float(),
@@ -74,7 +79,7 @@ def test_packed_non_finite_rows_as_plain():
     x, wgu, sgu, wd, sd, weights, ids = _moe(4, 100, 37, 5, 2, seed=7)
     x[1, 3], x[2, 0] = float("nan"), float("inf")
     plain = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids)
-    packed = glm5_ops.fused_moe_int8(x, pack_rows4(wgu), sgu, pack_rows4(wd), sd, weights, ids, packed=True)
+    packed = glm5_ops.fused_moe_int8(x, pack_rows(wgu), sgu, pack_rows(wd), sd, weights, ids, packed=True)
     assert torch.equal(packed.isnan(), plain.isnan())
     assert torch.equal(packed.nan_to_num(), plain.nan_to_num())
 
@@ -86,7 +91,7 @@ def test_other_backends_read_packed_weights(backend):
     x, wgu, sgu, wd, sd, weights, ids = _moe(3, 40, 24, 4, 2, seed=3)
     with glm5_ops.use_backend(backend):
         plain = glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids)
-        packed = glm5_ops.fused_moe_int8(x, pack_rows4(wgu), sgu, pack_rows4(wd), sd, weights, ids, packed=True)
+        packed = glm5_ops.fused_moe_int8(x, pack_rows(wgu), sgu, pack_rows(wd), sd, weights, ids, packed=True)
     assert torch.equal(packed, plain)
 
 
@@ -116,7 +121,7 @@ def test_int8_experts_packed_on_cpu_state_dict_plain(tmp_path, monkeypatch):
     experts = dict((n, m) for n, m in model.named_modules() if isinstance(m, Int8Experts))
     assert experts and all(m.packed for m in experts.values())
     for n, m in experts.items():
-        assert torch.equal(m.gate_up_q, pack_rows4(plain_q[n]))              # held packed
+        assert torch.equal(m.gate_up_q, pack_rows(plain_q[n]))              # held packed
         assert torch.equal(model.state_dict()[f"{n}.gate_up_q"], plain_q[n])  # saved plain
         torch.testing.assert_close(m.gate_up_proj, ref.int8_dequantize_rows(plain_q[n], m.gate_up_scale))
 

@@ -95,7 +95,7 @@ def _int8_linear_cases():
 
 def _packed(args):
     x, wgu, sgu, wd, sd, weights, ids = args
-    return x, glm5_ops.int8.pack_rows4(wgu), sgu, glm5_ops.int8.pack_rows4(wd), sd, weights, ids
+    return x, glm5_ops.int8.pack_rows(wgu), sgu, glm5_ops.int8.pack_rows(wd), sd, weights, ids
 
 
 def _fused_int8(T):

@@ -171,21 +171,22 @@ struct ExpertTiles {
   const float* scale;
   int64_t N;
   float* y;
+  int64_t rows;         // rows per tile: kTileRows, or a packed group (vnni::kPackRows)
   int64_t per_expert;   // tiles per expert
   int64_t ahead;        // prefetch distance in tiles (0: none)
-  bool packed;          // w in vnni::unpack_rows4's packed layout (the digits path only)
+  bool packed;          // w in vnni's packed layout (the digits path only)
 
   const int8_t* tile_weights(int64_t t) const {
-    return w + active[t / per_expert] * N * K + (t % per_expert) * kTileRows * K;
+    return w + active[t / per_expert] * N * K + (t % per_expert) * rows * K;
   }
 
 #if defined(__AVX512F__)
   // The items' rows one at a time (row_seq): the AVX-512 decode path.
   void run_rows(int64_t t0, int64_t t1) const {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / per_expert], n0 = (t % per_expert) * kTileRows;
+      const int64_t e = active[t / per_expert], n0 = (t % per_expert) * rows;
       const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
-      for (int64_t n = n0; n < std::min(N, n0 + kTileRows); ++n) {
+      for (int64_t n = n0; n < std::min(N, n0 + rows); ++n) {
         const int8_t* wr = w + (e * N + n) * K;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           const int mb = int(std::min<int64_t>(4, M - m0));
@@ -211,8 +212,11 @@ struct ExpertTiles {
       const int64_t i = t / per_expert, e = active[i];
       const int64_t t_end = std::min(t1, (i + 1) * per_expert);
       const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
-      vnni::rows_digits(digits, r0, M, w + e * N * K, (t % per_expert) * kTileRows,
-                        std::min(N, (t_end - i * per_expert) * kTileRows), scale + e * N, nullptr, y, N, packed);
+      const int64_t n0 = (t % per_expert) * rows, n1 = std::min(N, (t_end - i * per_expert) * rows);
+      if (packed)
+        vnni::packed_rows_digits(digits, r0, M, w + e * N * K, N, n0, n1, scale + e * N, nullptr, y, N);
+      else
+        vnni::rows_digits(digits, r0, M, w + e * N * K, n0, n1, scale + e * N, nullptr, y, N);
       t = t_end;
     }
   }
@@ -223,13 +227,13 @@ struct ExpertTiles {
   void run(int64_t t0, int64_t t1) const {
     float out[8][4];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / per_expert], n = (t % per_expert) * kTileRows;
+      const int64_t e = active[t / per_expert], n = (t % per_expert) * rows;
       const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
-      const int nb = int(std::min<int64_t>(kTileRows, N - n));
+      const int nb = int(std::min<int64_t>(rows, N - n));
       const int8_t* wr[8];
       for (int j = 0; j < nb; ++j) wr[j] = w + (e * N + n + j) * K;
       const int64_t tp = t + ahead;   // prefetch only full tiles (a tail tile is the last of its expert)
-      const char* pf = ahead > 0 && tp < t1 && (tp % per_expert + 1) * kTileRows <= N
+      const char* pf = ahead > 0 && tp < t1 && (tp % per_expert + 1) * rows <= N
                            ? reinterpret_cast<const char*>(tile_weights(tp)) : nullptr;
       const int mstep = M <= 2 ? 2 : 4;   // gemv::rows's shapes: 8 x (1|2), else 4 x 4
       for (int64_t m0 = 0; m0 < M; m0 += mstep) {
@@ -258,11 +262,12 @@ struct ExpertTiles {
 void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
                  const int8_t* w, const float* scale, int64_t N, float* y, const void* digits, bool packed = false) {
   TORCH_INTERNAL_ASSERT(!packed || digits, "expert_gemv: the packed layout is read by the digits kernel only");
-  const int64_t per_expert = (N + kTileRows - 1) / kTileRows;
-  const int64_t tile_bytes = kTileRows * std::max<int64_t>(K, 1);
+  const int64_t rows = packed ? vnni::kPackRows : kTileRows;   // a packed tile: one whole group
+  const int64_t per_expert = (N + rows - 1) / rows;
+  const int64_t tile_bytes = rows * std::max<int64_t>(K, 1);
   // gemv::rows's rule: rows longer than kPrefetchMaxRowBytes stream well enough on their own.
   const int64_t ahead = K > gemv::kPrefetchMaxRowBytes ? 0 : (gemv::kPrefetchMinBytes + tile_bytes - 1) / tile_bytes;
-  const ExpertTiles job{offsets, active, x, K, w, scale, N, y, per_expert, ahead, packed};
+  const ExpertTiles job{offsets, active, x, K, w, scale, N, y, rows, per_expert, ahead, packed};
   const int64_t tiles = int64_t(active.size()) * per_expert;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
 #if defined(__AVX512F__)
@@ -468,7 +473,7 @@ at::Tensor unpacked(const at::Tensor& w, const std::vector<int64_t>* only = null
   at::Tensor dst = at::empty_like(src);
   const int64_t K = src.size(-1), N = src.size(-2), B = src.numel() / std::max<int64_t>(1, N * K);
   const auto unpack = [&](int64_t b) {
-    vnni::unpack_rows4(src.data_ptr<int8_t>() + b * N * K, dst.data_ptr<int8_t>() + b * N * K, N, K);
+    vnni::unpack_rows(src.data_ptr<int8_t>() + b * N * K, dst.data_ptr<int8_t>() + b * N * K, N, K);
   };
   if (only)
     for (const int64_t b : *only) unpack(b);

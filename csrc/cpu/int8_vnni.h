@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -48,30 +49,36 @@ constexpr int kDigits = 3;
 constexpr int64_t kPrefetchBytes = 8192;   // gemv_tiles.h's distance; 16 KiB measured no better here
 
 // The packed layout of an int8 weight [N, K] (fused_moe_int8's packed=True; its spec is
-// pack_rows4 in glm5_ops/reference.py, and docs/INT8.md says why): rows in groups of 4 (the last
-// group: the N % 4 rows left), each group's nb * K bytes ordered chunk by chunk, 64 bytes of
-// each of its rows in turn, then the rows' tails (K % 64 bytes each) in turn. Reading a group
-// 4 rows side by side is then one sequential stream, which the hardware prefetcher follows
-// at the full read bandwidth; 4 rows 1 KiB apart are 4 short streams it does not, and the
-// software prefetches that made up for it cost a third of the bandwidth on a fast hour
+// pack_rows in glm5_ops/reference.py, and docs/INT8.md says why): rows in groups of 16, each
+// group's 16 K bytes ordered 4-byte chunk by chunk (bytes 4c..4c+3 of rows 0..15 in turn: one
+// 64-byte vector), then the rows' K % 4 tails in turn; the N % 16 rows after the last group
+// stay plain. One vector holds 4 bytes of 16 rows, so vpdpbusd against 4 digit bytes
+// broadcast sums each row in its own lane: no horizontal reduction, which on the MoE's
+// 256-byte down rows cost as much as the products themselves (13 ops per 4 rows and digit).
+// And a group is one sequential stream, which the hardware prefetcher follows at the full
+// read bandwidth; rows read side by side from plain storage are short streams it does not
 // (bench/RESULTS.md, "Packed expert rows").
-constexpr int64_t kPackRows = 4;
+constexpr int64_t kPackRows = 16;
+constexpr int64_t kPackChunk = 4;   // vpdpbusd's bytes per lane
 
 // Byte offset of w[n, k] in the packed layout of [N, K].
 inline int64_t packed_offset(int64_t N, int64_t K, int64_t n, int64_t k) {
-  const int64_t g = n / kPackRows * kPackRows, nb = std::min(kPackRows, N - g), j = n - g;
-  const int64_t kfull = K / 64 * 64;
-  const int64_t in_group = k < kfull ? (k / 64) * 64 * nb + j * 64 + k % 64 : kfull * nb + j * (K - kfull) + (k - kfull);
-  return g * K + in_group;
+  if (n >= N / kPackRows * kPackRows) return n * K + k;   // after the last group: plain
+  const int64_t g = n / kPackRows * kPackRows, j = n - g, kc = K / kPackChunk * kPackChunk;
+  return g * K + (k < kc ? k / kPackChunk * (kPackRows * kPackChunk) + j * kPackChunk + k % kPackChunk
+                         : kc * kPackRows + j * (K - kc) + (k - kc));
 }
 
 // dst [N, K] plain <- src [N, K] packed.
-inline void unpack_rows4(const int8_t* src, int8_t* dst, int64_t N, int64_t K) {
-  const int64_t kfull = K / 64 * 64;
-  for (int64_t n = 0; n < N; ++n) {
-    for (int64_t k = 0; k < kfull; k += 64) std::copy_n(src + packed_offset(N, K, n, k), 64, dst + n * K + k);
-    if (kfull < K) std::copy_n(src + packed_offset(N, K, n, kfull), K - kfull, dst + n * K + kfull);
+inline void unpack_rows(const int8_t* src, int8_t* dst, int64_t N, int64_t K) {
+  const int64_t full = N / kPackRows * kPackRows, kc = K / kPackChunk * kPackChunk;
+  for (int64_t g = 0; g < full; g += kPackRows) {
+    const int8_t* s = src + g * K;
+    for (int64_t k = 0; k < kc; k += kPackChunk)
+      for (int64_t j = 0; j < kPackRows; ++j, s += kPackChunk) std::copy_n(s, kPackChunk, dst + (g + j) * K + k);
+    for (int64_t j = 0; j < kPackRows; ++j, s += K - kc) std::copy_n(s, K - kc, dst + (g + j) * K + kc);
   }
+  std::copy_n(src + full * K, (N - full) * K, dst + full * K);
 }
 
 #if defined(__AVX512F__)
@@ -227,12 +234,9 @@ GLM5_VNNI_TARGET inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
 // weight rows w[j] read side by side, start to end, and MB activation rows (q[m]: the
 // row's digits, Kp apart, 64-byte aligned); lanes j >= NB are 0. Every digit load feeds
 // NB products, every (j, m, d) has its own accumulator chain.
-// PACKED: w[0] is a group of NB rows in the packed layout (packed_offset above): the 64-byte
-// chunk at k of row j at w[0] + k * NB + 64 j, the tail at w[0] + kfull * NB + j (K - kfull).
-template <int NB, int MB, bool PACKED = false>
+template <int NB, int MB>
 GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, const int8_t* const* w, int64_t K,
                                         uint32_t* out, const int8_t* pf) {
-  const auto at = [&](int j, int64_t k, int64_t len) { return PACKED ? w[0] + k * NB + j * len : w[j] + k; };
   __m512i acc[NB][MB][kDigits];
   for (int j = 0; j < NB; ++j)
     for (int m = 0; m < MB; ++m)
@@ -242,8 +246,8 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
   for (; k + 64 <= K; k += 64) {   // plain loads: masked ones on every vector measured 2x slower
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
-      wv[j] = _mm512_xor_si512(_mm512_loadu_si512(at(j, k, 64)), flip);
-      if (!PACKED && pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 64 * NB + j) * 64), _MM_HINT_T1);
+      wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k), flip);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 64 * NB + j) * 64), _MM_HINT_T1);
     }
     for (int m = 0; m < MB; ++m)
       for (int d = 0; d < kDigits; ++d) {
@@ -254,7 +258,7 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
   for (; k < K; k += 64) {   // a masked tail (its digits are zero-padded)
     const __mmask64 mask = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
     __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, at(j, k, K - k)), flip);
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w[j] + k), flip);
     for (int m = 0; m < MB; ++m)
       for (int d = 0; d < kDigits; ++d) {
         const __m512i qv = _mm512_load_si512(q[m] + d * Kp + k);
@@ -272,15 +276,7 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
 
 // One block: nb weight rows x one activation row -> out (dot_digits's layout).
 GLM5_VNNI_TARGET inline void block_digits(int nb, const int8_t* const* q, int64_t Kp, const int8_t* const* w,
-                                          int64_t K, uint32_t* out, const int8_t* pf, bool packed) {
-  if (packed) {   // one sequential stream: the hardware prefetcher's, no software prefetch
-    switch (nb) {
-      case 1: dot_digits<1, 1, true>(q, Kp, w, K, out, nullptr); return;
-      case 2: dot_digits<2, 1, true>(q, Kp, w, K, out, nullptr); return;
-      case 3: dot_digits<3, 1, true>(q, Kp, w, K, out, nullptr); return;
-      default: dot_digits<4, 1, true>(q, Kp, w, K, out, nullptr); return;
-    }
-  }
+                                          int64_t K, uint32_t* out, const int8_t* pf) {
   switch (nb) {
     case 1: dot_digits<1, 1>(q, Kp, w, K, out, nullptr); return;
     case 2: dot_digits<2, 1>(q, Kp, w, K, out, nullptr); return;
@@ -301,11 +297,8 @@ GLM5_VNNI_TARGET inline void block_digits(int nb, const int8_t* const* q, int64_
 GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigits& a, int64_t r0, int64_t M,
                                                                    const int8_t* w, int64_t n0, int64_t n1,
                                                                    const float* scale, const float* bias, float* y,
-                                                                   int64_t ldy, bool packed = false) {
-  // packed: w [N, K] in the packed layout; n0 a multiple of 4 and n1 one too or N, so each
-  // block below is one of the layout's groups (fused_moe_int8's 8-row tiles are).
+                                                                   int64_t ldy) {
   constexpr int kNB = 4;
-  static_assert(kNB == kPackRows, "a block is a packed group");
   const int64_t K = a.K, Kp = a.Kp;
   // A later block is prefetched into L2 (one line per line read, with the first
   // activation row), at least kPrefetchBytes ahead: at M > 1 the block is worked on M
@@ -319,8 +312,8 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
     for (int j = 0; j < nb; ++j) wr[j] = w + (n + j) * K;
     for (int64_t r = r0; r < r0 + M; ++r) {
       const int8_t* q[1] = {a.row(r)};
-      const bool pf = !packed && r == r0 && n + ahead + kNB <= n1;   // packed rows: the hardware's prefetch
-      block_digits(nb, q, Kp, wr, K, out, pf ? w + (n + ahead) * K : nullptr, packed);
+      const bool pf = r == r0 && n + ahead + kNB <= n1;
+      block_digits(nb, q, Kp, wr, K, out, pf ? w + (n + ahead) * K : nullptr);
       const double* s = a.scales(r);
       const int32_t* qs = a.sums(r);
       const __mmask8 lanes = static_cast<__mmask8>((1u << nb) - 1u);
@@ -336,19 +329,123 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
       } else {
         alignas(32) double vs[4] = {0.0, 0.0, 0.0, 0.0};
         const float* xr = a.xrow(r);
-        for (int j = 0; j < nb; ++j) {
-          if (!packed) {
-            vs[j] = dot_f64(wr[j], xr, K);
-            continue;
-          }
-          for (int64_t k = 0; k < K; ++k)   // in order, as dot_f64 (the group's rows: [nb, K])
-            vs[j] += double(wr[0][packed_offset(nb, K, j, k)]) * double(xr[k]);
-        }
+        for (int j = 0; j < nb; ++j) vs[j] = dot_f64(wr[j], xr, K);
         v = _mm256_load_pd(vs);
       }
       _mm_mask_storeu_ps(y + r * ldy + n, lanes, _mm256_cvtpd_ps(_mm256_fmadd_pd(sc, v, b)));
     }
   }
+}
+
+// acc += vpdpbusd(u8 a, the 4 s8 bytes at p in every lane), in place (dpbusd's asm, with
+// the digits as the instruction's broadcast memory operand).
+GLM5_VNNI_TARGET inline void dpbusd_bcast(__m512i& acc, __m512i a, const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  dpbusd(acc, a, _mm512_set1_epi32(v));
+}
+
+// One weight vector (4 bytes of 16 rows at k, sign bit flipped) into the MB x kDigits accumulators.
+template <int MB>
+GLM5_VNNI_TARGET inline void group_step(__m512i (&acc)[MB][kDigits], __m512i wv, const int8_t* const* q, int64_t Kp,
+                                        int64_t k) {
+  for (int m = 0; m < MB; ++m)
+    for (int d = 0; d < kDigits; ++d) dpbusd_bcast(acc[m][d], wv, q[m] + d * Kp + k);
+}
+
+// out[m * kDigits + d] lane j = sum_k (w_j[k] + 128) * q_m,d[k] mod 2^32 for the 16 rows of
+// one packed group at g (packed_offset's layout) and MB activation rows (q[m]: the row's
+// digits, Kp apart, zero past K). Each weight vector is loaded once and feeds 3 MB products.
+// The accumulators are this function's own (written out once at the end): GCC stored an
+// array the caller passed by reference after every product (2x slower at MB = 2).
+template <int MB>
+GLM5_VNNI_TARGET inline void group_digits(const int8_t* const* q, int64_t Kp, const int8_t* g, int64_t K,
+                                          __m512i* out) {
+  __m512i acc[MB][kDigits];
+  for (int m = 0; m < MB; ++m)
+    for (int d = 0; d < kDigits; ++d) acc[m][d] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t chunks = K / kPackChunk, tail = K - chunks * kPackChunk;
+  // (a helper, not a lambda: a lambda does not carry the target attribute, and dpbusd_bcast
+  // would then not inline into it)
+  for (int64_t c = 0; c < chunks; ++c)
+    group_step<MB>(acc, _mm512_xor_si512(_mm512_loadu_si512(g + c * 64), flip), q, Kp, c * kPackChunk);
+  if (tail) {   // the rows' tails, one lane each (the digits past K are 0, so are the products)
+    alignas(64) int8_t v[64] = {};
+    for (int j = 0; j < kPackRows; ++j) std::copy_n(g + chunks * 64 + j * tail, tail, v + j * kPackChunk);
+    group_step<MB>(acc, _mm512_xor_si512(_mm512_load_si512(v), flip), q, Kp, chunks * kPackChunk);
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int d = 0; d < kDigits; ++d) out[m * kDigits + d] = acc[m][d];
+}
+
+// rows_digits for one packed group: y[(r + m) * ldy + j] for its 16 rows j and the MB
+// activation rows r + m, in rows_digits' float64 order (the same bits).
+template <int MB>
+GLM5_VNNI_TARGET inline void group_rows(const ActDigits& a, int64_t r, const int8_t* g, const float* scale,
+                                        const float* bias, float* y, int64_t ldy) {
+  const int64_t K = a.K;
+  const int8_t* q[MB];
+  for (int m = 0; m < MB; ++m) q[m] = a.row(r + m);
+  __m512i acc[MB * kDigits];
+  group_digits<MB>(q, a.Kp, g, K, acc);
+  const __m512 sc = _mm512_loadu_ps(scale), b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512d sc_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(sc));
+  const __m512d sc_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sc), 1)));
+  const __m512d b_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(b));
+  const __m512d b_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+  for (int m = 0; m < MB; ++m) {
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();   // sum_d s_d (w . q_d), float64
+    if (a.finite(r + m)) {
+      const double* s = a.scales(r + m);
+      const int32_t* qs = a.sums(r + m);
+      for (int d = 0; d < kDigits; ++d) {   // exact: |w . q| < 2^31 (K <= kVnniMaxK)
+        const __m512i dot = _mm512_sub_epi32(acc[m * kDigits + d], _mm512_set1_epi32(static_cast<int32_t>(128u * uint32_t(qs[d]))));
+        lo = _mm512_fmadd_pd(_mm512_set1_pd(s[d]), _mm512_cvtepi32_pd(_mm512_castsi512_si256(dot)), lo);
+        hi = _mm512_fmadd_pd(_mm512_set1_pd(s[d]), _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(dot, 1)), hi);
+      }
+    } else {   // in order, as dot_f64
+      alignas(64) double vs[kPackRows] = {};
+      const float* xr = a.xrow(r + m);
+      for (int j = 0; j < kPackRows; ++j)
+        for (int64_t k = 0; k < K; ++k) vs[j] += double(g[packed_offset(kPackRows, K, j, k)]) * double(xr[k]);
+      lo = _mm512_load_pd(vs), hi = _mm512_load_pd(vs + 8);
+    }
+    const __m256 y_lo = _mm512_cvtpd_ps(_mm512_fmadd_pd(sc_lo, lo, b_lo));
+    const __m256 y_hi = _mm512_cvtpd_ps(_mm512_fmadd_pd(sc_hi, hi, b_hi));
+    _mm512_storeu_ps(y + (r + m) * ldy,
+                     _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(y_lo)),
+                                                         _mm256_castps_pd(y_hi), 1)));
+  }
+}
+
+// rows_digits for w [N, K] in the packed layout: rows [n0, n1), n0 a multiple of 16 and n1 one
+// too or past the last group (fused_moe_int8's packed tiles are whole groups). Each group is
+// read once for up to 8 activation rows (3 accumulators each), so at M <= 8 once in all.
+GLM5_VNNI_TARGET __attribute__((noinline)) inline void packed_rows_digits(const ActDigits& a, int64_t r0, int64_t M,
+                                                                          const int8_t* w, int64_t N, int64_t n0,
+                                                                          int64_t n1, const float* scale,
+                                                                          const float* bias, float* y, int64_t ldy) {
+  const int64_t K = a.K, full = N / kPackRows * kPackRows;
+  int64_t n = n0;
+  for (; n + kPackRows <= std::min(n1, full); n += kPackRows) {
+    const int8_t* g = w + n * K;
+    const float* b = bias ? bias + n : nullptr;
+    for (int64_t m = 0; m < M; m += 8) {
+      const int64_t r = r0 + m;
+      switch (std::min<int64_t>(8, M - m)) {
+        case 1: group_rows<1>(a, r, g, scale + n, b, y + n, ldy); break;
+        case 2: group_rows<2>(a, r, g, scale + n, b, y + n, ldy); break;
+        case 3: group_rows<3>(a, r, g, scale + n, b, y + n, ldy); break;
+        case 4: group_rows<4>(a, r, g, scale + n, b, y + n, ldy); break;
+        case 5: group_rows<5>(a, r, g, scale + n, b, y + n, ldy); break;
+        case 6: group_rows<6>(a, r, g, scale + n, b, y + n, ldy); break;
+        case 7: group_rows<7>(a, r, g, scale + n, b, y + n, ldy); break;
+        default: group_rows<8>(a, r, g, scale + n, b, y + n, ldy); break;
+      }
+    }
+  }
+  if (n < n1) rows_digits(a, r0, M, w, n, n1, scale, bias, y, ldy);   // the plain rows after the last group
 }
 
 #undef GLM5_VNNI_TARGET

@@ -502,7 +502,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
                           const at::Tensor& ids_in, bool w8a8, bool packed) {
   check_fused_moe_int8_args(x_in, w_gate_up_in, gu_scale_in, w_down_in, down_scale_in, weights_in, ids_in);
   TORCH_CHECK_VALUE(!packed, "fused_moe_int8: packed=True is the CPU kernel's layout; pass plain rows on CUDA "
-                    "(glm5_ops.int8.unpack_rows4)");
+                    "(glm5_ops.int8.unpack_rows)");
   const int64_t T = x_in.size(0), D = x_in.size(1);
   const int64_t E = w_gate_up_in.size(0), I2 = w_gate_up_in.size(1), I = I2 / 2;
   const int64_t k = ids_in.size(1), P = T * k;

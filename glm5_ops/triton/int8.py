@@ -269,7 +269,7 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
     packed: the CPU kernel's row layout, unpacked here (these kernels read plain rows)."""
     _check_dtype(x, "fused_moe_int8")
     if packed:
-        w_gate_up, w_down = reference.unpack_rows4(w_gate_up), reference.unpack_rows4(w_down)
+        w_gate_up, w_down = reference.unpack_rows(w_gate_up), reference.unpack_rows(w_down)
     T, D = x.shape
     E, I2, _ = w_gate_up.shape
     I, k = I2 // 2, ids.shape[1]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 import glm5_ops
-from glm5_ops.int8 import W8A8_MIN_ROWS, pack_rows4, packed_experts_pay, unpack_rows4
+from glm5_ops.int8 import W8A8_MIN_ROWS, pack_rows, packed_experts_pay, unpack_rows
 from glm5_ops.memory import on_huge_pages, weights_on_huge_pages
 
 from .moe import Experts, Router
@@ -102,7 +102,7 @@ class Int8Experts(nn.Module):
     """The routed experts with int8 weights: gate_up [E,2I,D] + scales [E,2I], down [E,D,I] + [E,D].
 
     Where the CPU decode kernel reads them fastest (glm5_ops.int8.packed_experts_pay),
-    gate_up_q and down_q are kept in pack_rows4's row layout: `packed` says which. The
+    gate_up_q and down_q are kept in pack_rows's row layout: `packed` says which. The
     layout follows the device (.to() re-decides it); state_dict() and checkpoints always
     hold plain rows, and load_state_dict takes plain rows."""
 
@@ -122,7 +122,7 @@ class Int8Experts(nn.Module):
         E, I2, D = self.gate_up_q.shape
         want = not self.gate_up_q.is_meta and packed_experts_pay(self.gate_up_q.device, D, I2 // 2)
         if want != self.packed:
-            layout = pack_rows4 if want else unpack_rows4
+            layout = pack_rows if want else unpack_rows
             for name in self._PACKED:   # new tensors: onto huge pages again (decode streams them)
                 setattr(self, name, on_huge_pages(layout(getattr(self, name))))
             self.packed = want
@@ -136,19 +136,19 @@ class Int8Experts(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.packed:
             for name in self._PACKED:
-                destination[prefix + name] = unpack_rows4(destination[prefix + name])
+                destination[prefix + name] = unpack_rows(destination[prefix + name])
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         if self.packed:   # the incoming plain rows, in this module's layout (load_state_dict copies the dict)
             for name in self._PACKED:
                 if prefix + name in state_dict:
-                    state_dict[prefix + name] = pack_rows4(state_dict[prefix + name])
+                    state_dict[prefix + name] = pack_rows(state_dict[prefix + name])
         super()._load_from_state_dict(state_dict, prefix, *args)
         self.place()   # assign=True may have brought plain tensors onto a device that packs
 
     def _plain(self, name):
         t = getattr(self, name)
-        return unpack_rows4(t) if self.packed else t
+        return unpack_rows(t) if self.packed else t
 
     @classmethod
     def from_experts(cls, experts: Experts, mode: str) -> "Int8Experts":
