@@ -27,12 +27,14 @@
 //   moe read 1fj    the same with one fork/join a call (each thread its gate/up share, then its down share)
 //   moe kernel      the packed decode arithmetic over the pattern (m activation rows per expert)
 //   kernel halves   the same, each expert's rows halved between the threads (both in one expert at a time)
-//   rows_digits     csrc/cpu/int8_vnni.h's rows_digits itself (fused_moe_int8's decode loop) over the pattern
+//   rows_digits     csrc/cpu/int8_vnni.h's packed_rows_digits itself (fused_moe_int8's decode loop) over the
+//                   pattern (the others read 4-row tiles, the layout before the 16-row groups)
 // at n, m = 6, 1 (T=1, top-6 of 64), 20, 1 (T=4) and 51, 2 (T=16; ~1.9 rows per chosen expert).
 //
 //   /tmp/stream_probe rows
 //
-// rows_digits hot in L2 on one thread at K = 256, 512, 1024 (the cost of a block beyond its loop).
+// rows_digits (plain rows, blocks of 4) and packed_rows_digits (groups of 16) hot in L2 on one
+// thread at K = 256, 512, 1024 (what a block costs beyond its products).
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -145,9 +147,9 @@ VNNI void moe_share(MoeVariant v, const int8_t* base, const std::vector<int>& ch
   for (int64_t i = t0; i < t1;) {   // one run per expert, as the kernel's run_digits
     const int64_t e = i / per, end = std::min(t1, (e + 1) * per);
     const int8_t* w = base + chosen[e] * bytes;
-    if (v == kMoeRows)   // the real kernel's loop over the run's rows
-      glm5::cpu::vnni::rows_digits(*g_digits[K == 1024 ? 0 : 1], 0, M, w, (i - e * per) * 4, (end - e * per) * 4,
-                                   g_scale, nullptr, g_y, bytes / K, true);
+    if (v == kMoeRows)   // the real kernel's loop over the run's rows (whole 16-row groups: per % 4 == 0)
+      glm5::cpu::vnni::packed_rows_digits(*g_digits[K == 1024 ? 0 : 1], 0, M, w, bytes / K, (i - e * per) * 4,
+                                          (end - e * per) * 4, g_scale, nullptr, g_y, bytes / K);
     else if (v == kMoeKernel)
       span<true, false, M>(w + (i - e * per) * tile, (end - i) * tile, K, out);
     else
@@ -256,8 +258,9 @@ static int moe_main(double seconds) {
   return sink[0] == 12345 && sink[1] == 54321;
 }
 
-// `rows` mode: rows_digits hot (256 KiB of packed rows in L2, one thread, one activation
-// row) at K = 256, 512, 1024: what a 4-row block costs beyond its vpdpbusd.
+// `rows` mode: rows_digits on plain rows and packed_rows_digits on the packed layout, hot
+// (256 KiB of rows in L2, one thread, one activation row) at K = 256, 512, 1024: what a
+// block costs beyond its vpdpbusd (4 plain rows: 3 horizontal reductions; a 16-row group: none).
 static int rows_main() {
   static float x[1024], scale[1024], y[1024];
   for (int i = 0; i < 1024; ++i) x[i] = float(i % 13) - 6.f, scale[i] = 1.f;
@@ -265,14 +268,20 @@ static int rows_main() {
   for (int K : {256, 512, 1024}) {
     const auto d = glm5::cpu::vnni::make_digits(x, 1, K, 1024);
     const int64_t N = (int64_t(256) << 10) / K;
-    double best = 1e9;
-    for (int rep = 0; rep < 20; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int it = 0; it < 200; ++it) glm5::cpu::vnni::rows_digits(d, 0, 1, w, 0, N, scale, nullptr, y, N, true);
-      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 200);
-    }
-    std::printf("K=%d: %.2f us per 256 KiB (%ld blocks of 4 rows), %.1f GB/s\n", K, best * 1e6, long(N / 4),
-                (256 << 10) / best / 1e9);
+    double best[2] = {1e9, 1e9};
+    for (int rep = 0; rep < 20; ++rep)
+      for (int packed = 0; packed < 2; ++packed) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int it = 0; it < 200; ++it) {
+          if (packed)
+            glm5::cpu::vnni::packed_rows_digits(d, 0, 1, w, N, 0, N, scale, nullptr, y, N);
+          else
+            glm5::cpu::vnni::rows_digits(d, 0, 1, w, 0, N, scale, nullptr, y, N);
+        }
+        best[packed] = std::min(best[packed], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 200);
+      }
+    std::printf("K=%d, 256 KiB: rows_digits %.2f us (%.1f GB/s), packed_rows_digits %.2f us (%.1f GB/s)\n", K,
+                best[0] * 1e6, (256 << 10) / best[0] / 1e9, best[1] * 1e6, (256 << 10) / best[1] / 1e9);
   }
   return 0;
 }
