@@ -204,7 +204,7 @@ def _straight_to_cpu_kernel(x, w_gate_up, gate_up_scale, w_down, down_scale, wei
     so only a call it rejects runs the checks, for their message; a decode step calls this
     op once per MoE layer, and the checks cost 15-35 us of a ~130 us call (bench/RESULTS.md)."""
     for t in (x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids):
-        if type(t) is not torch.Tensor or t.device.type != "cpu":
+        if type(t) is not torch.Tensor or not t.is_cpu:   # is_cpu: 0.07 us, device.type: 0.34 us
             return False
     return (_C_FUSED_MOE_INT8 is not None and (packed is True or packed is False) and ids.dtype == torch.int32
             and weights.dtype in check.FLOAT_DTYPES and current_backend(_CPU) == "cpp"

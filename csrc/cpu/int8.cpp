@@ -40,9 +40,11 @@
 //   (expert, 8-row tile) items split evenly between the threads (with AVX-512
 //   each item's rows read one after another: one sequential stream per thread;
 //   on VNNI the int8_vnni.h kernel, digits of the T token rows made once),
-//   silu(g)*u, then down likewise (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM
-//   by its row count. packed=True: the experts in int8_vnni.h's packed row layout, which the
-//   VNNI decode pass reads as one stream per thread; the other paths unpack what they read.
+//   silu(g)*u and its digits, then down likewise (each chosen expert's int8 rows
+//   read once); otherwise per active expert GEMV or dequantise+GEMM by its row
+//   count. packed=True: the experts in int8_vnni.h's packed layout (16 rows a
+//   vector, a tile one 16-row group), which the VNNI decode pass reads as one
+//   stream per thread with no horizontal reductions; the other paths unpack what they read.
 //   A gather by token sums its k slots in order (deterministic, no atomics).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -55,6 +57,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -81,10 +84,6 @@ int64_t row_grain(int64_t row_elems) {
   return std::max<int64_t>(1, kRowLoopGrainElems / std::max<int64_t>(row_elems, 1));
 }
 
-// Rows per thread for writing activation digits (with silu, ~2.4 ns an element: 58 us for
-// fused_moe_int8's 96 rows of 256 at T = 16 on one thread): a decode call's 16 token rows
-// or 24-96 expert rows are worth splitting between the threads, a token's 6 are not.
-int64_t digit_grain(int64_t row_elems) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(row_elems, 1)); }
 
 // y[M,N] fp32 = x[M,K] fp32 @ (w * scale)^T + bias: each thread streams its own
 // contiguous range of weight rows (gemv_tiles.h; a row's result does not depend on M).
@@ -262,11 +261,20 @@ struct ExpertTiles {
   }
 };
 
-// digits: x's rows as int8_vnni.h's digits (the VNNI kernel), or null; packed: w in the
-// packed layout (digits only).
+#if defined(__AVX512F__)
+// The activation digits of sorted rows [ra, rb), made by the thread that reads them.
+using RowsDigits = std::function<vnni::ActDigits(int64_t ra, int64_t rb)>;
+#else
+using RowsDigits = std::function<void(int64_t, int64_t)>;
+#endif
+
+// digits: x's rows as int8_vnni.h's digits (the VNNI kernel), or null; own: instead, each
+// thread makes the digits of the rows its tiles read (their experts' rows) before its
+// tiles; packed: w in the packed layout (digits only).
 void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
-                 const int8_t* w, const float* scale, int64_t N, float* y, const void* digits, bool packed = false) {
-  TORCH_INTERNAL_ASSERT(!packed || digits, "expert_gemv: the packed layout is read by the digits kernel only");
+                 const int8_t* w, const float* scale, int64_t N, float* y, const void* digits, bool packed = false,
+                 const RowsDigits* own = nullptr) {
+  TORCH_INTERNAL_ASSERT(!packed || digits || own, "expert_gemv: the packed layout is read by the digits kernel only");
   const int64_t rows = packed ? vnni::kPackRows : kTileRows;   // a packed tile: one whole group
   const int64_t per_expert = (N + rows - 1) / rows;
   const int64_t tile_bytes = rows * std::max<int64_t>(K, 1);
@@ -276,6 +284,13 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
   const int64_t tiles = int64_t(active.size()) * per_expert;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
 #if defined(__AVX512F__)
+  if (own) {
+    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+      const int64_t ra = offsets[active[t0 / per_expert]], rb = offsets[active[(t1 - 1) / per_expert] + 1];
+      job.run_digits((*own)(ra, rb), t0, t1);
+    });
+    return;
+  }
   if (digits) {
     const auto& d = *static_cast<const vnni::ActDigits*>(digits);
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_digits(d, t0, t1); });
@@ -283,7 +298,7 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
   }
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
 #else
-  TORCH_CHECK(digits == nullptr, "expert_gemv: activation digits need an AVX-512 build");
+  TORCH_CHECK(digits == nullptr && own == nullptr, "expert_gemv: activation digits need an AVX-512 build");
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
 #endif
 }
@@ -532,28 +547,45 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
     for (int64_t e = 0; e < E; ++e)
       if (offsets[e + 1] > offsets[e]) active.push_back(e);
     auto h = at::empty({T * k, I2}, x.options());
-    const at::Tensor a = at::empty({T * k, I}, x.options());
 #if defined(__AVX512F__)
-    if (vnni::use_digits(D) && vnni::use_digits(I)) {   // digits of the T token rows, read through the sort
-      vnni::ActDigits xd = vnni::alloc_digits(xp, T, D, D);
-      at::parallel_for(0, T, digit_grain(D), [&](int64_t r0, int64_t r1) { vnni::fill_digits(xd, r0, r1); });
-      xd.map.resize(T * k);
-      for (int64_t r = 0; r < T * k; ++r) xd.map[r] = pair_of[r] / k;
-      expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(), &xd,
-                  packed);
-      vnni::ActDigits ad = vnni::alloc_digits(a.data_ptr<float>(), T * k, I, I);
+    if (vnni::use_digits(D) && vnni::use_digits(I)) {
+      // The digits of the T token rows, read through the sort, made by each thread of the
+      // gate/up pass for itself (two threads: twice 14 us of work at T = 16, where a pass
+      // of their own cost ~17 us on a slow hour and ~37 us on a fast one; see below).
+      const RowsDigits token_digits = [&](int64_t ra, int64_t rb) {
+        vnni::ActDigits d = vnni::alloc_digits(xp, T, D, D);
+        vnni::fill_digits(d, 0, T);
+        d.map.assign(rb, 0);
+        for (int64_t r = ra; r < rb; ++r) d.map[r] = pair_of[r] / k;
+        return d;
+      };
+      expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(),
+                  nullptr, packed, &token_digits);
+      // a = silu(g) * u and its digits, made in the down pass by the thread that reads them:
+      // the rows of its experts, whose h rows it wrote itself in the gate/up pass (both
+      // passes split the same expert list in equal halves), except at the one expert a
+      // split cuts (both threads then make its rows, each its own copy). No pass of its own,
+      // and no row crosses between the cores: on this host's fast-memory hours its two
+      // vCPUs sit on different CCDs, where a round trip costs ~330 ns and reading the other
+      // core's rows ~26 GB/s (bench/RESULTS.md, "Packed rows in groups of 16").
       const float* hp = h.data_ptr<float>();
-      float* ap = a.data_ptr<float>();
-      at::parallel_for(0, T * k, digit_grain(I), [&](int64_t r0, int64_t r1) {   // silu(g) * u, then its digits
-        for (int64_t r = r0; r < r1; ++r) swiglu<float>(hp + r * I2, hp + r * I2 + I, ap + r * I, I);
-        vnni::fill_digits(ad, r0, r1);
-      });
-      expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, &ad,
-                  packed);
+      const RowsDigits silu_digits = [&](int64_t ra, int64_t rb) {
+        vnni::ActDigits d = vnni::alloc_digits(nullptr, rb - ra, I, I);
+        d.own_rows.resize((rb - ra) * I);
+        d.x = d.own_rows.data();
+        for (int64_t r = ra; r < rb; ++r) swiglu<float>(hp + r * I2, hp + r * I2 + I, d.own_rows.data() + (r - ra) * I, I);
+        vnni::fill_digits(d, 0, rb - ra);
+        d.map.assign(rb, 0);
+        for (int64_t r = ra; r < rb; ++r) d.map[r] = r - ra;
+        return d;
+      };
+      expert_gemv(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, nullptr, packed,
+                  &silu_digits);
     } else
 #endif
     {
       if (packed) wgu = unpacked(wgu, &active), wd = unpacked(wd, &active);   // the fp32 kernels read plain rows
+      const at::Tensor a = at::empty({T * k, I}, x.options());
       auto xs = at::empty({T * k, D}, x.options());
       float* xsp = xs.data_ptr<float>();
       for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);

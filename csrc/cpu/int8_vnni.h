@@ -111,11 +111,12 @@ struct ActDigits {
   std::vector<int32_t> qsum;    // [R][kDigits]: sum of the row's digits (the u8 offset's correction)
   const float* x = nullptr;     // the rows themselves (the float64 path of non-finite rows)
   int64_t ldx = 0;
+  std::vector<float> own_rows;  // x's storage where the digits keep their rows (a thread's own rows)
   std::vector<int64_t> map;     // logical row -> stored row, where set (the MoE's sorted pairs share token rows)
 
   int64_t stored(int64_t r) const { return map.empty() ? r : map[r]; }
   ActDigits() = default;
-  ActDigits(ActDigits&&) = default;   // q stays valid: a moved vector keeps its storage
+  ActDigits(ActDigits&&) = default;   // q and x stay valid: a moved vector keeps its storage
   ActDigits& operator=(ActDigits&&) = default;
   ActDigits(const ActDigits&) = delete;
 
