@@ -35,12 +35,19 @@
 //
 // rows_digits (plain rows, blocks of 4) and packed_rows_digits (groups of 16) hot in L2 on one
 // thread at K = 256, 512, 1024 (what a block costs beyond its products).
+//
+//   /tmp/stream_probe cores
+//
+// What crossing between the two cores costs: a round trip through one cache line, and reading
+// 256 KiB the other core just wrote (this host's vCPUs share a CCD in some hours and not in others).
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -286,6 +293,48 @@ static int rows_main() {
   return 0;
 }
 
+// `cores` mode: thread 0 and 1 pass a counter back and forth (a round trip through one line),
+// then thread 1 writes 256 KiB that thread 0 reads (best of 50).
+static int cores_main() {
+  alignas(64) static std::atomic<int64_t> flag{0};
+  static std::vector<char> buf(size_t(256) << 10);
+  constexpr int64_t kTrips = 200000;
+  double trip = 0, read = 1e9;
+#pragma omp parallel num_threads(2)
+  {
+    const int t = omp_get_thread_num();
+    if (t == 0) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int64_t i = 0; i < kTrips; ++i) {
+        flag.store(2 * i + 1, std::memory_order_release);
+        while (flag.load(std::memory_order_acquire) != 2 * i + 2) {}
+      }
+      trip = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / kTrips;
+    } else {
+      for (int64_t i = 0; i < kTrips; ++i) {
+        while (flag.load(std::memory_order_acquire) != 2 * i + 1) {}
+        flag.store(2 * i + 2, std::memory_order_release);
+      }
+    }
+#pragma omp barrier
+    for (int r = 0; r < 50; ++r) {
+      if (t == 1) std::memset(buf.data(), r, buf.size());
+#pragma omp barrier
+      if (t == 0) {
+        const auto t0 = std::chrono::steady_clock::now();
+        int64_t sum = 0;
+        for (size_t i = 0; i < buf.size(); i += 64) sum += buf[i];
+        read = std::min(read, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        if (sum == 12345) std::printf(" ");
+      }
+#pragma omp barrier
+    }
+  }
+  std::printf("round trip between the threads %.0f ns; 256 KiB written by the other read in %.1f us (%.1f GB/s)\n",
+              trip * 1e9, read * 1e6, buf.size() / read / 1e9);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (!__builtin_cpu_supports("avx512vnni")) {
     std::fprintf(stderr, "this CPU has no AVX512_VNNI\n");
@@ -293,6 +342,7 @@ int main(int argc, char** argv) {
   }
   for (int i = 0; i < 2 * 3 * 4096; ++i) (&digits[0][0][0])[i] = int8_t(i % 11 - 5);
   if (argc > 1 && std::string(argv[1]) == "rows") return rows_main();
+  if (argc > 1 && std::string(argv[1]) == "cores") return cores_main();
   if (argc > 1 && std::string(argv[1]) == "moe") return moe_main(argc > 2 ? std::atof(argv[2]) : 60);
   const int64_t K = argc > 1 ? std::atoi(argv[1]) : 1024;
   const double seconds = argc > 2 ? std::atof(argv[2]) : 60;
