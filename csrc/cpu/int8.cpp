@@ -84,7 +84,6 @@ int64_t row_grain(int64_t row_elems) {
   return std::max<int64_t>(1, kRowLoopGrainElems / std::max<int64_t>(row_elems, 1));
 }
 
-
 // y[M,N] fp32 = x[M,K] fp32 @ (w * scale)^T + bias: each thread streams its own
 // contiguous range of weight rows (gemv_tiles.h; a row's result does not depend on M).
 void gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias, int64_t N,
