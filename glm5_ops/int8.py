@@ -85,6 +85,13 @@ def _linear_args(x, w, scale, bias):
 def int8_linear(x, w, scale, bias=None):
     """Weight-only int8 linear: x [..., K] float, w int8 [N,K], scale fp32 [N], bias [N]
     or None -> [..., N] in x.dtype = x @ (w * scale[:, None])^T + bias, fp32 accumulation."""
+    if (_straight_to_cpu_kernel(_C_INT8_LINEAR, x, w, scale, *(() if bias is None else (bias,)))
+            and x.dim() >= 1 and (bias is None or bias.dtype in check.FLOAT_DTYPES)):
+        try:
+            y = _C_INT8_LINEAR(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous(), w, scale, bias)
+            return y.reshape(*x.shape[:-1], w.shape[0])
+        except (TypeError, ValueError, IndexError, RuntimeError):
+            pass   # bad input: the checks below raise the error that names the argument
     x2, w, scale, bias, device = _linear_args(x, w, scale, bias)
     y = dispatch("int8_linear", device, {
         "cpp": lambda: cpp_ops().int8_linear(x2, w, scale, bias),
@@ -150,7 +157,8 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
     Returns [T,D] in x.dtype, computed in fp32. w8a8=True: an expert with more than
     W8A8_MIN_ROWS rows quantises its activations per row too (int8 GEMMs). packed=True:
     w_gate_up and w_down are in pack_rows's layout (off the CPU they are unpacked first)."""
-    if _straight_to_cpu_kernel(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, packed):
+    if (_straight_to_cpu_kernel(_C_FUSED_MOE_INT8, x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids)
+            and (packed is True or packed is False) and ids.dtype == torch.int32 and weights.dtype in check.FLOAT_DTYPES):
         try:
             return _C_FUSED_MOE_INT8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, bool(w8a8), packed)
         except (TypeError, ValueError, IndexError, RuntimeError):
@@ -193,22 +201,25 @@ def fused_moe_int8(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids
     })
 
 
+# The C++ kernels the wrappers call first on the CPU (see _straight_to_cpu_kernel).
+_C_INT8_LINEAR = _C and torch.ops.glm5.int8_linear.default
 _C_FUSED_MOE_INT8 = _C and torch.ops.glm5.fused_moe_int8.default
 _CPU = torch.device("cpu")
 
 
-def _straight_to_cpu_kernel(x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids, packed) -> bool:
-    """Whether a fused_moe_int8 call goes to the C++ CPU kernel before the Python checks:
-    plain CPU tensors, int32 ids, float weights, the "cpp" backend, not while compiling.
-    The kernel checks every shape, dtype and id itself (csrc/checks.h, the counting sort),
-    so only a call it rejects runs the checks, for their message; a decode step calls this
-    op once per MoE layer, and the checks cost 15-35 us of a ~130 us call (bench/RESULTS.md)."""
-    for t in (x, w_gate_up, gate_up_scale, w_down, down_scale, weights, ids):
+def _straight_to_cpu_kernel(kernel, *tensors) -> bool:
+    """Whether a call may go to the C++ CPU kernel before the wrapper's Python checks: the
+    extension built, plain CPU tensors, the "cpp" backend, not while compiling (the caller
+    adds what the kernel would take but the checks refuse). The kernels check every shape,
+    dtype and index themselves (csrc/checks.h), so only a call one rejects runs the
+    checks, for the message that names the argument. A decode step calls these ops many
+    times: the checks cost 8-35 us a call, the kernel 4-130 us (bench/RESULTS.md)."""
+    if kernel is None:
+        return False
+    for t in tensors:
         if type(t) is not torch.Tensor or not t.is_cpu:   # is_cpu: 0.07 us, device.type: 0.34 us
             return False
-    return (_C_FUSED_MOE_INT8 is not None and (packed is True or packed is False) and ids.dtype == torch.int32
-            and weights.dtype in check.FLOAT_DTYPES and current_backend(_CPU) == "cpp"
-            and not torch.compiler.is_compiling())
+    return current_backend(_CPU) == "cpp" and not torch.compiler.is_compiling()
 
 
 def _quantize_rows_fake(x):
