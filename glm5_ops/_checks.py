@@ -1,5 +1,7 @@
 """Argument checks for the Python API: every failure names the argument and
-the expected shape, before any kernel runs."""
+the expected shape, before any kernel runs. (On the CPU, int8_linear and
+fused_moe_int8 call their C++ kernel first, whose own checks refuse the same
+inputs before it computes anything; these then run for the message.)"""
 from __future__ import annotations
 
 import torch
