@@ -39,8 +39,8 @@
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
 //   (expert, 8-row tile) items split evenly between the threads (with AVX-512
 //   each item's rows read one after another: one sequential stream per thread;
-//   on VNNI the int8_vnni.h kernel, digits of the T token rows made once),
-//   silu(g)*u and its digits, then down likewise (each chosen expert's int8 rows
+//   on VNNI the int8_vnni.h kernel, each thread making the digits of the token rows
+//   it reads), silu(g)*u and its digits (each thread its experts' rows), then down likewise (each chosen expert's int8 rows
 //   read once); otherwise per active expert GEMV or dequantise+GEMM by its row
 //   count. packed=True: the experts in int8_vnni.h's packed layout (16 rows a
 //   vector, a tile one 16-row group), which the VNNI decode pass reads as one
@@ -264,16 +264,16 @@ struct ExpertTiles {
 // The activation digits of sorted rows [ra, rb), made by the thread that reads them.
 using RowsDigits = std::function<vnni::ActDigits(int64_t ra, int64_t rb)>;
 #else
-using RowsDigits = std::function<void(int64_t, int64_t)>;
+using RowsDigits = std::function<void(int64_t, int64_t)>;   // no digits without AVX-512: never set
 #endif
 
-// digits: x's rows as int8_vnni.h's digits (the VNNI kernel), or null; own: instead, each
-// thread makes the digits of the rows its tiles read (their experts' rows) before its
-// tiles; packed: w in the packed layout (digits only).
+// digits: null (the fp32 kernels read x), or the VNNI kernel, each thread first making the
+// digits of the rows its tiles read (their experts' rows); packed: w in the packed layout
+// (digits only).
 void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
-                 const int8_t* w, const float* scale, int64_t N, float* y, const void* digits, bool packed = false,
-                 const RowsDigits* own = nullptr) {
-  TORCH_INTERNAL_ASSERT(!packed || digits || own, "expert_gemv: the packed layout is read by the digits kernel only");
+                 const int8_t* w, const float* scale, int64_t N, float* y, const RowsDigits* digits = nullptr,
+                 bool packed = false) {
+  TORCH_INTERNAL_ASSERT(!packed || digits, "expert_gemv: the packed layout is read by the digits kernel only");
   const int64_t rows = packed ? vnni::kPackRows : kTileRows;   // a packed tile: one whole group
   const int64_t per_expert = (N + rows - 1) / rows;
   const int64_t tile_bytes = rows * std::max<int64_t>(K, 1);
@@ -283,21 +283,16 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
   const int64_t tiles = int64_t(active.size()) * per_expert;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
 #if defined(__AVX512F__)
-  if (own) {
+  if (digits) {
     at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
       const int64_t ra = offsets[active[t0 / per_expert]], rb = offsets[active[(t1 - 1) / per_expert] + 1];
-      job.run_digits((*own)(ra, rb), t0, t1);
+      job.run_digits((*digits)(ra, rb), t0, t1);
     });
-    return;
-  }
-  if (digits) {
-    const auto& d = *static_cast<const vnni::ActDigits*>(digits);
-    at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_digits(d, t0, t1); });
     return;
   }
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
 #else
-  TORCH_CHECK(digits == nullptr && own == nullptr, "expert_gemv: activation digits need an AVX-512 build");
+  TORCH_CHECK(digits == nullptr, "expert_gemv: activation digits need an AVX-512 build");
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
 #endif
 }
@@ -559,7 +554,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
         return d;
       };
       expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(),
-                  nullptr, packed, &token_digits);
+                  &token_digits, packed);
       // a = silu(g) * u and its digits, made in the down pass by the thread that reads them:
       // the rows of its experts, whose h rows it wrote itself in the gate/up pass (both
       // passes split the same expert list in equal halves), except at the one expert a
@@ -578,8 +573,8 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
         for (int64_t r = ra; r < rb; ++r) d.map[r] = r - ra;
         return d;
       };
-      expert_gemv(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, nullptr, packed,
-                  &silu_digits);
+      expert_gemv(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, &silu_digits,
+                  packed);
     } else
 #endif
     {
@@ -588,10 +583,9 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       auto xs = at::empty({T * k, D}, x.options());
       float* xsp = xs.data_ptr<float>();
       for (int64_t r = 0; r < T * k; ++r) std::copy_n(xp + (pair_of[r] / k) * D, D, xsp + r * D);
-      expert_gemv(offsets, active, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(),
-                  nullptr);
+      expert_gemv(offsets, active, xsp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>());
       silu_mul_rows(h, a);
-      expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, nullptr);
+      expert_gemv(offsets, active, a.data_ptr<float>(), I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys);
     }
   } else {
 #if defined(__AVX512F__)

@@ -338,8 +338,9 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
   }
 }
 
-// acc += vpdpbusd(u8 a, the 4 s8 bytes at p in every lane), in place (dpbusd's asm, with
-// the digits as the instruction's broadcast memory operand).
+// acc += vpdpbusd(u8 a, the 4 s8 bytes at p in every lane), in place (dpbusd's asm after a
+// vpbroadcastd: an asm with the digits as its broadcast memory operand made GCC store the
+// accumulators after every product).
 GLM5_VNNI_TARGET inline void dpbusd_bcast(__m512i& acc, __m512i a, const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
