@@ -5,11 +5,11 @@
 // Widening each int8 weight to fp32 costs ~12 vector ops per 64 weight bytes
 // and activation row (sign-extend, convert, FMA), which bounds the decode
 // kernels below the memory bandwidth. Here each fp32 activation row x is
-// written once per call as three int8 digits with scales
-//   s1 = max|x| / 127,  q1 = round(x / s1),           r1 = x - s1 q1
-//   s2 = s1 / 254,      q2 = round(r1 / s2),          r2 = r1 - s2 q2
-//   s3 = s2 / 254,      q3 = round(r2 / s3)           (every |q| <= 127)
-// (float64 arithmetic), so |x - s1 q1 - s2 q2 - s3 q3| <= s3 / 2 = max|x| / 16,387,064
+// written once per call as three int8 digits with scales s1 = max|x| / 127,
+// s2 = s1 / 254, s3 = s2 / 254: n = round(x / s3) (float64; |n| <= 127 * 254^2)
+// and n's digits in base 254,
+//   q1 = round(n / 254^2),  r = n - 254^2 q1,  q2 = round(r / 254),  q3 = r - 254 q2
+// (every |q| <= 127), so |x - s1 q1 - s2 q2 - s3 q3| <= s3 / 2 = max|x| / 16,387,064
 // ~ 6.1e-8 max|x| per element: the order of fp32's own rounding of max|x|
 // (two digits would leave 1.6e-5 max|x|, 250x more). Then
 //   w . x = s1 (w . q1) + s2 (w . q2) + s3 (w . q3),
@@ -45,7 +45,7 @@ namespace cpu {
 namespace vnni {
 
 constexpr int64_t kVnniMaxK = 131072;   // see above: 127 * 127 * K < 2^31
-constexpr int kDigits = 3;
+constexpr int kDigits = 3;   // fill_digits writes three (static_assert there)
 constexpr int64_t kPrefetchBytes = 8192;   // gemv_tiles.h's distance; 16 KiB measured no better here
 
 // The packed layout of an int8 weight [N, K] (fused_moe_int8's packed=True; its spec is
@@ -160,35 +160,38 @@ inline void fill_digits(ActDigits& a, int64_t r0, int64_t r1) {
       continue;
     }
     if (amax == 0.0) continue;   // digits, scales and sums 0
+    static_assert(kDigits == 3, "fill_digits writes three digits");
     s[0] = amax / 127.0;
     for (int d = 1; d < kDigits; ++d) s[d] = s[d - 1] / 254.0;
-    __m512d sv[kDigits], inv[kDigits];
-    for (int d = 0; d < kDigits; ++d) sv[d] = _mm512_set1_pd(s[d]), inv[d] = _mm512_set1_pd(1.0 / s[d]);
-    const __m512d lo = _mm512_set1_pd(-127.0), hi = _mm512_set1_pd(127.0);
-    __m256i sums[kDigits];
-    for (int d = 0; d < kDigits; ++d) sums[d] = _mm256_setzero_si256();
+    // n = round(x / s3) in float64 (|n| <= 127 * 254^2 < 2^24), then n's digits in fp32,
+    // where every integer involved is exact: q1 = round(n / 254^2), r = n - 254^2 q1,
+    // q2 = round(r / 254), q3 = r - 254 q2. A q1 rounded one off at a near-tie (n / 254^2
+    // within fp32's error of a half) leaves |r| = 254 * 127 + 1, still |q2|, |q3| <= 127.
+    const __m512d inv3 = _mm512_set1_pd(1.0 / s[kDigits - 1]);
+    const __m512 b2 = _mm512_set1_ps(254.0f * 254.0f), inv_b2 = _mm512_set1_ps(1.0f / (254.0f * 254.0f));
+    const __m512 b = _mm512_set1_ps(254.0f), inv_b = _mm512_set1_ps(1.0f / 254.0f);
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512i sums[kDigits];
+    for (int d = 0; d < kDigits; ++d) sums[d] = _mm512_setzero_si512();
     int8_t* qr = a.q + r * kDigits * a.Kp;
-    for (int64_t k = 0; k < K; k += 8) {   // 8 lanes of float64; the tail reads zeros (digits 0)
-      const __mmask8 m = K - k >= 8 ? __mmask8(0xff) : static_cast<__mmask8>((1u << (K - k)) - 1u);
-      __m512d rest = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, xr + k));
+    for (int64_t k = 0; k < K; k += 16) {   // the tail reads zeros (digits 0); the rows have >= 16 bytes of padding
+      const __mmask16 m = K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1u);
+      const __m512 v = _mm512_maskz_loadu_ps(m, xr + k);
+      const __m256i n_lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), inv3));
+      const __m256i n_hi = _mm512_cvtpd_epi32(
+          _mm512_mul_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))), inv3));
+      const __m512 n = _mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(n_lo), n_hi, 1));
+      const __m512 q1 = _mm512_roundscale_ps(_mm512_mul_ps(n, inv_b2), kNearest);
+      const __m512 rest = _mm512_fnmadd_ps(q1, b2, n);
+      const __m512 q2 = _mm512_roundscale_ps(_mm512_mul_ps(rest, inv_b), kNearest);
+      const __m512i q[kDigits] = {_mm512_cvtps_epi32(q1), _mm512_cvtps_epi32(q2),
+                                  _mm512_cvtps_epi32(_mm512_fnmadd_ps(q2, b, rest))};
       for (int d = 0; d < kDigits; ++d) {
-        // x * (1/s) instead of x / s: a digit one off at a near-tie leaves a remainder
-        // the next digit takes; the clamp keeps |q| <= 127 whatever the rounding.
-        __m512d qd = _mm512_roundscale_pd(_mm512_mul_pd(rest, inv[d]), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        qd = _mm512_min_pd(_mm512_max_pd(qd, lo), hi);
-        rest = _mm512_fnmadd_pd(qd, sv[d], rest);
-        const __m256i qi = _mm512_cvtpd_epi32(qd);
-        sums[d] = _mm256_add_epi32(sums[d], qi);
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + d * a.Kp + k), _mm256_cvtepi32_epi8(qi));
+        sums[d] = _mm512_add_epi32(sums[d], q[d]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + d * a.Kp + k), _mm512_cvtepi32_epi8(q[d]));
       }
     }
-    for (int d = 0; d < kDigits; ++d) {
-      alignas(32) int32_t lanes[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sums[d]);
-      int32_t t = 0;
-      for (int l = 0; l < 8; ++l) t += lanes[l];
-      a.qsum[r * kDigits + d] = t;
-    }
+    for (int d = 0; d < kDigits; ++d) a.qsum[r * kDigits + d] = _mm512_reduce_add_epi32(sums[d]);
   }
 }
 
