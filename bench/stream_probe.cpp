@@ -31,6 +31,15 @@
 //                   pattern (the others read 4-row tiles, the layout before the 16-row groups)
 // at n, m = 6, 1 (T=1, top-6 of 64), 20, 1 (T=4) and 51, 2 (T=16; ~1.9 rows per chosen expert).
 //
+//   /tmp/stream_probe routed [seconds=60]
+//
+// T = 16 as the op meets it: each call routes 16 tokens to 6 of 64 experts (1-5 rows each,
+// ~1.9 on average) drawn from the 448, each thread its half of the chosen experts (whole
+// experts), a fork/join for the gate/up blocks and one for the down blocks. Against a long
+// read (each thread one 256 MiB stream in one region, as torch's W.sum() that
+// gemv_bench.py divides by): the read in 5 MiB forks, plain loads over the routed pattern,
+// and packed_rows_digits over it with each expert's own rows.
+//
 //   /tmp/stream_probe rows
 //
 // rows_digits (plain rows, blocks of 4) and packed_rows_digits (groups of 16) hot in L2 on one
@@ -48,6 +57,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <numeric>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -265,6 +275,108 @@ static int moe_main(double seconds) {
   return sink[0] == 12345 && sink[1] == 54321;
 }
 
+// `routed` mode (see the top).
+struct Routed {
+  std::vector<int> experts, rows;   // chosen experts of the 448, ascending; their rows
+};
+
+static std::vector<Routed> routed_calls(unsigned* seed) {
+  std::vector<Routed> calls;
+  int64_t bytes = 0;
+  while (bytes < (int64_t(256) << 20)) {   // past the L3 many times
+    std::vector<int> count(64, 0), pool(kExperts);
+    for (int t = 0; t < 16; ++t) {
+      int ids[64];
+      for (int i = 0; i < 64; ++i) ids[i] = i;
+      for (int i = 0; i < 6; ++i) {
+        std::swap(ids[i], ids[i + rand_r(seed) % (64 - i)]);
+        ++count[ids[i]];
+      }
+    }
+    for (int i = 0; i < kExperts; ++i) pool[i] = i;
+    for (int i = 0; i < 64; ++i) std::swap(pool[i], pool[i + rand_r(seed) % (kExperts - i)]);
+    std::vector<std::pair<int, int>> chosen;
+    for (int e = 0; e < 64; ++e)
+      if (count[e]) chosen.push_back({pool[e], count[e]});
+    std::sort(chosen.begin(), chosen.end());
+    Routed c;
+    for (auto [e, m] : chosen) c.experts.push_back(e), c.rows.push_back(m);
+    bytes += int64_t(c.experts.size()) * (kGateUp + kDown);
+    calls.push_back(c);
+  }
+  return calls;
+}
+
+// GB/s over the calls: per call a region over the gate/up blocks and one over the down blocks.
+VNNI double routed_gbps(const int8_t* w, const std::vector<Routed>& calls, bool kernel, const glm5::cpu::vnni::ActDigits& gu,
+                        const glm5::cpu::vnni::ActDigits& dn, uint32_t* sink) {
+  static float y[16 * 1024];
+  double bytes = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const auto& c : calls) {
+    const int n = int(c.experts.size());
+    for (int part = 0; part < 2; ++part) {
+      const int8_t* base = part == 0 ? w : w + kExperts * kGateUp;
+      const int64_t block = part == 0 ? kGateUp : kDown, N = part == 0 ? 512 : 1024;
+#pragma omp parallel num_threads(2)
+      {
+        const int t = omp_get_thread_num();
+        uint32_t out[16] = {0};
+        for (int i = n * t / 2; i < n * (t + 1) / 2; ++i) {
+          const int8_t* b = base + c.experts[i] * block;
+          if (kernel)
+            glm5::cpu::vnni::packed_rows_digits(part == 0 ? gu : dn, 0, c.rows[i], b, N, 0, N, g_scale, nullptr, y, 1024);
+          else
+            read_only(b, block, out);
+        }
+        sink[t] += out[0];
+      }
+    }
+    bytes += double(n) * (kGateUp + kDown);
+  }
+  return bytes / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
+}
+
+static int routed_main(double seconds) {
+  const int8_t* w = huge_buffer(size_t(kExperts) * (kGateUp + kDown));
+  const size_t total = size_t(512) << 20;
+  const int8_t* plain = huge_buffer(total);
+  static float x[16][1024];
+  unsigned seed = 1;
+  for (auto& r : x)
+    for (auto& v : r) v = float(int(rand_r(&seed) % 2001) - 1000) / 300.f;
+  const auto gu = glm5::cpu::vnni::make_digits(&x[0][0], 16, 1024, 1024);
+  const auto dn = glm5::cpu::vnni::make_digits(&x[0][0], 16, 256, 1024);
+  for (auto& v : g_scale) v = 1.f;
+  const std::vector<Routed> calls = routed_calls(&seed);
+  double experts = 0, rows = 0;
+  for (const auto& c : calls) experts += c.experts.size(), rows += std::accumulate(c.rows.begin(), c.rows.end(), 0);
+  std::printf("%zu calls, %.1f experts a call, %.2f rows an expert\n", calls.size(), experts / calls.size(), rows / experts);
+  uint32_t sink[2] = {0, 0};
+  const auto long_read = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(2)
+    {
+      uint32_t out[16] = {0};
+      read_only(plain + omp_get_thread_num() * (total / 2), total / 2, out);
+      sink[omp_get_thread_num()] += out[0];
+    }
+    return double(total) / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9;
+  };
+  std::vector<std::vector<double>> rounds;
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < seconds)
+    rounds.push_back({long_read(), gbps(kRead, plain, total, 1024, sink), routed_gbps(w, calls, false, gu, dn, sink),
+                      routed_gbps(w, calls, true, gu, dn, sink)});
+  const char* names[] = {"long read", "read in 5 MiB forks", "plain loads, routed", "packed_rows_digits, routed"};
+  by_read(rounds, [&](const std::vector<double>& m) {
+    std::printf(" %s %.1f GB/s", names[0], m[0]);
+    for (int v = 1; v < 4; ++v) std::printf(" | %s %.1f (%.0f%%)", names[v], m[v], 100 * m[v] / m[0]);
+    std::printf("\n");
+  });
+  return sink[0] == 12345 && sink[1] == 54321;
+}
+
 // `rows` mode: rows_digits on plain rows and packed_rows_digits on the packed layout, hot
 // (256 KiB of rows in L2, one thread, one activation row) at K = 256, 512, 1024: what a
 // block costs beyond its vpdpbusd (4 plain rows: 3 horizontal reductions; a 16-row group: none).
@@ -344,6 +456,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "rows") return rows_main();
   if (argc > 1 && std::string(argv[1]) == "cores") return cores_main();
   if (argc > 1 && std::string(argv[1]) == "moe") return moe_main(argc > 2 ? std::atof(argv[2]) : 60);
+  if (argc > 1 && std::string(argv[1]) == "routed") return routed_main(argc > 2 ? std::atof(argv[2]) : 60);
   const int64_t K = argc > 1 ? std::atoi(argv[1]) : 1024;
   const double seconds = argc > 2 ? std::atof(argv[2]) : 60;
   if (K < 64 || K % 64 || K > 4096) {
