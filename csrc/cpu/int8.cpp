@@ -157,7 +157,8 @@ inline void row_seq(const float* const* x, const int8_t* w, int64_t K, float* ou
 // For every expert e with rows [offsets[e], offsets[e+1]) of x (sorted pairs, [*, K]):
 // y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N].
 // The work is one flat list of (chosen expert, 8-row weight tile) items, all of
-// equal bytes, split evenly between the threads: one fork/join per projection,
+// equal bytes, split evenly between the threads (on VNNI digits by cost, see
+// weighted_split: 16-row packed tiles where packed): one fork/join per projection,
 // and the threads stay busy across expert boundaries. With AVX-512 each item's
 // 8 rows are read one after another (row_seq); otherwise gemv_tiles.h's tiles (on a
 // Zen 3, AVX2, row_seq's order measured 0.77x the tiles' GB/s at T = 1, 4 and 16),
