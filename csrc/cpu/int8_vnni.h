@@ -365,7 +365,7 @@ GLM5_VNNI_TARGET inline void group_step(__m512i (&acc)[MB][kDigits], __m512i wv,
 // array the caller passed by reference after every product (2x slower at MB = 2).
 template <int MB>
 GLM5_VNNI_TARGET inline void group_digits(const int8_t* const* q, int64_t Kp, const int8_t* g, int64_t K,
-                                          __m512i* out) {
+                                          __m512i* out, const int8_t* end) {
   __m512i acc[MB][kDigits];
   for (int m = 0; m < MB; ++m)
     for (int d = 0; d < kDigits; ++d) acc[m][d] = _mm512_setzero_si512();
@@ -373,8 +373,18 @@ GLM5_VNNI_TARGET inline void group_digits(const int8_t* const* q, int64_t Kp, co
   const int64_t chunks = K / kPackChunk, tail = K - chunks * kPackChunk;
   // (a helper, not a lambda: a lambda does not carry the target attribute, and dpbusd_bcast
   // would then not inline into it)
-  for (int64_t c = 0; c < chunks; ++c)
+  for (int64_t c = 0; c < chunks; ++c) {
+    // From two activation rows on the products outrun the read: long stretches in which
+    // the demand loads, and the hardware prefetcher that follows them, come too slowly to
+    // keep memory busy. A prefetch kPrefetchBytes ahead (up to the run's end) keeps it
+    // going; at one row the loop is the read and a prefetch only costs (bench/RESULTS.md,
+    // "Prefetch where the products outrun the read").
+    if constexpr (MB >= 2) {
+      const int8_t* p = g + c * 64 + kPrefetchBytes;
+      if (p < end) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
+    }
     group_step<MB>(acc, _mm512_xor_si512(_mm512_loadu_si512(g + c * 64), flip), q, Kp, c * kPackChunk);
+  }
   if (tail) {   // the rows' tails, one lane each (the digits past K are 0, so are the products)
     alignas(64) int8_t v[64] = {};
     for (int j = 0; j < kPackRows; ++j) std::copy_n(g + chunks * 64 + j * tail, tail, v + j * kPackChunk);
@@ -388,12 +398,12 @@ GLM5_VNNI_TARGET inline void group_digits(const int8_t* const* q, int64_t Kp, co
 // activation rows r + m, in rows_digits' float64 order (the same bits).
 template <int MB>
 GLM5_VNNI_TARGET inline void group_rows(const ActDigits& a, int64_t r, const int8_t* g, const float* scale,
-                                        const float* bias, float* y, int64_t ldy) {
+                                        const float* bias, float* y, int64_t ldy, const int8_t* end) {
   const int64_t K = a.K;
   const int8_t* q[MB];
   for (int m = 0; m < MB; ++m) q[m] = a.row(r + m);
   __m512i acc[MB * kDigits];
-  group_digits<MB>(q, a.Kp, g, K, acc);
+  group_digits<MB>(q, a.Kp, g, K, acc, end);
   const __m512 sc = _mm512_loadu_ps(scale), b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512d sc_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(sc));
   const __m512d sc_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sc), 1)));
@@ -432,6 +442,7 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void packed_rows_digits(const 
                                                                           int64_t n1, const float* scale,
                                                                           const float* bias, float* y, int64_t ldy) {
   const int64_t K = a.K, full = N / kPackRows * kPackRows;
+  const int8_t* const end = w + std::min(n1, N) * K;   // the run's last weight byte + 1: prefetch no further
   int64_t n = n0;
   for (; n + kPackRows <= std::min(n1, full); n += kPackRows) {
     const int8_t* g = w + n * K;
@@ -439,14 +450,14 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void packed_rows_digits(const 
     for (int64_t m = 0; m < M; m += 8) {
       const int64_t r = r0 + m;
       switch (std::min<int64_t>(8, M - m)) {
-        case 1: group_rows<1>(a, r, g, scale + n, b, y + n, ldy); break;
-        case 2: group_rows<2>(a, r, g, scale + n, b, y + n, ldy); break;
-        case 3: group_rows<3>(a, r, g, scale + n, b, y + n, ldy); break;
-        case 4: group_rows<4>(a, r, g, scale + n, b, y + n, ldy); break;
-        case 5: group_rows<5>(a, r, g, scale + n, b, y + n, ldy); break;
-        case 6: group_rows<6>(a, r, g, scale + n, b, y + n, ldy); break;
-        case 7: group_rows<7>(a, r, g, scale + n, b, y + n, ldy); break;
-        default: group_rows<8>(a, r, g, scale + n, b, y + n, ldy); break;
+        case 1: group_rows<1>(a, r, g, scale + n, b, y + n, ldy, end); break;
+        case 2: group_rows<2>(a, r, g, scale + n, b, y + n, ldy, end); break;
+        case 3: group_rows<3>(a, r, g, scale + n, b, y + n, ldy, end); break;
+        case 4: group_rows<4>(a, r, g, scale + n, b, y + n, ldy, end); break;
+        case 5: group_rows<5>(a, r, g, scale + n, b, y + n, ldy, end); break;
+        case 6: group_rows<6>(a, r, g, scale + n, b, y + n, ldy, end); break;
+        case 7: group_rows<7>(a, r, g, scale + n, b, y + n, ldy, end); break;
+        default: group_rows<8>(a, r, g, scale + n, b, y + n, ldy, end); break;
       }
     }
   }
