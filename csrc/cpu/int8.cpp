@@ -591,7 +591,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
                   &token_digits, packed);
       // a = silu(g) * u and its digits, made in the down pass by the thread that reads them:
       // the rows of its experts, whose h rows it wrote itself in the gate/up pass (both
-      // passes split the same expert list in equal halves), except at the one expert a
+      // passes split the same expert list at the same point, weighted_split), except at the one expert a
       // split cuts (both threads then make its rows, each its own copy). No pass of its own,
       // and no row crosses between the cores: on this host's fast-memory hours its two
       // vCPUs sit on different CCDs, where a round trip costs ~330 ns and reading the other

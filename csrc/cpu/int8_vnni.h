@@ -449,15 +449,16 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void packed_rows_digits(const 
     const float* b = bias ? bias + n : nullptr;
     for (int64_t m = 0; m < M; m += 8) {
       const int64_t r = r0 + m;
+      const int8_t* const pf_end = m == 0 ? end : g;   // a second pass of 8 rows finds the group cached
       switch (std::min<int64_t>(8, M - m)) {
-        case 1: group_rows<1>(a, r, g, scale + n, b, y + n, ldy, end); break;
-        case 2: group_rows<2>(a, r, g, scale + n, b, y + n, ldy, end); break;
-        case 3: group_rows<3>(a, r, g, scale + n, b, y + n, ldy, end); break;
-        case 4: group_rows<4>(a, r, g, scale + n, b, y + n, ldy, end); break;
-        case 5: group_rows<5>(a, r, g, scale + n, b, y + n, ldy, end); break;
-        case 6: group_rows<6>(a, r, g, scale + n, b, y + n, ldy, end); break;
-        case 7: group_rows<7>(a, r, g, scale + n, b, y + n, ldy, end); break;
-        default: group_rows<8>(a, r, g, scale + n, b, y + n, ldy, end); break;
+        case 1: group_rows<1>(a, r, g, scale + n, b, y + n, ldy, pf_end); break;
+        case 2: group_rows<2>(a, r, g, scale + n, b, y + n, ldy, pf_end); break;
+        case 3: group_rows<3>(a, r, g, scale + n, b, y + n, ldy, pf_end); break;
+        case 4: group_rows<4>(a, r, g, scale + n, b, y + n, ldy, pf_end); break;
+        case 5: group_rows<5>(a, r, g, scale + n, b, y + n, ldy, pf_end); break;
+        case 6: group_rows<6>(a, r, g, scale + n, b, y + n, ldy, pf_end); break;
+        case 7: group_rows<7>(a, r, g, scale + n, b, y + n, ldy, pf_end); break;
+        default: group_rows<8>(a, r, g, scale + n, b, y + n, ldy, pf_end); break;
       }
     }
   }
