@@ -74,6 +74,34 @@ def test_packed_equals_plain_bit_for_bit(T, D, I, E, k, w8a8):
                                rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU decode kernel's thread split")
+@pytest.mark.parametrize("T", [1, 16])
+def test_decode_threads_meeting_in_the_middle_give_the_same_bits(T):
+    """At the small preset's sizes the decode pass's threads take the tiles around each split
+    from both ends (csrc/cpu/int8.cpp, MeetZone), several chunks a zone, up and down; a zone's
+    expert rows get their digits as they are taken. 1 to 4 threads (3 and 4: a thread between
+    two zones) give the same bits, packed or plain, as each token alone."""
+    x, wgu, sgu, wd, sd, weights, ids = _moe(T, 1024, 256, 64, 6, seed=5 + T)
+    pgu, pd = pack_rows(wgu), pack_rows(wd)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            outs.append(glm5_ops.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids))
+            outs.append(glm5_ops.fused_moe_int8(x, pgu, sgu, pd, sd, weights, ids, packed=True))
+        torch.set_num_threads(2)
+        alone = torch.cat([glm5_ops.fused_moe_int8(x[t:t + 1], pgu, sgu, pd, sd, weights[t:t + 1], ids[t:t + 1],
+                                                   packed=True) for t in range(T)])
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert torch.equal(alone, outs[0])
+    torch.testing.assert_close(outs[0], ref.fused_moe_int8(x, wgu, sgu, wd, sd, weights, ids, w8a8=False).float(),
+                               rtol=1e-3, atol=1e-3)
+
+
 def test_packed_non_finite_rows_as_plain():
     """A row with a NaN or an infinity takes the kernel's float64 path, which reads packed rows too."""
     x, wgu, sgu, wd, sd, weights, ids = _moe(4, 100, 37, 5, 2, seed=7)

@@ -57,6 +57,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <atomic>
 #include <functional>
 #include <string>
 #include <vector>
@@ -262,10 +263,15 @@ struct ExpertTiles {
 };
 
 #if defined(__AVX512F__)
-// The activation digits of sorted rows [ra, rb), made by the thread that reads them.
-using RowsDigits = std::function<vnni::ActDigits(int64_t ra, int64_t rb)>;
+// The activation digits a thread reads, made by that thread: alloc(ra, rb) the storage for
+// sorted rows [ra, rb), fill(d, ra, r0, r1) the digits of rows [r0, r1) within it (a thread
+// fills its own run's rows first, those of the tiles it takes from a MeetZone as it takes them).
+struct RowsDigits {
+  std::function<vnni::ActDigits(int64_t ra, int64_t rb)> alloc;
+  std::function<void(vnni::ActDigits& d, int64_t ra, int64_t r0, int64_t r1)> fill;
+};
 #else
-using RowsDigits = std::function<void(int64_t, int64_t)>;   // no digits without AVX-512: never set
+struct RowsDigits {};   // no digits without AVX-512: never passed
 #endif
 
 // The first tile of each of W threads' runs (and the end, tiles), splitting the experts'
@@ -295,6 +301,36 @@ std::vector<int64_t> weighted_split(const std::vector<int64_t>& offsets, const s
   return first;
 }
 
+// The tiles between two threads' runs, [lo, hi), taken in chunks by both as each finishes its
+// own run: the lower thread from lo upward (its stream goes on), the upper from hi downward.
+// Why: the two cores read at different speeds from minute to minute (on a fast-memory hour
+// the threads' ends were 8-14 us apart at T = 1 and 20-35 us at T = 16, either one first), and
+// one core alone reads only half the bandwidth. kMeetShare of the smaller neighbour's run on
+// each side of the split, chunks of a quarter of what is left and at least kMeetChunkBytes (a
+// claim costs a cache line's trip between the cores, ~0.3 us when both are claiming):
+// in-process on fast hours, T = 1 / 4 / 16 71 / 84 / 73% -> 75 / 87 / 74% of the read bandwidth;
+// a quarter of the runs on each side, or 16 KiB chunks, gained less (bench/RESULTS.md, "Threads
+// meeting in the middle").
+constexpr double kMeetShare = 0.15;
+constexpr int64_t kMeetChunkBytes = 64 << 10;
+struct alignas(64) MeetZone {   // a line of its own: only the two neighbours touch it
+  std::atomic<uint64_t> lohi{0};   // hi << 32 | lo
+  void set(int64_t lo, int64_t hi) { lohi.store((uint64_t(hi) << 32) | uint64_t(lo), std::memory_order_relaxed); }
+  // The next chunk [a, b) from below (up) or above; false when the zone is empty. The join
+  // after the pass orders the tiles' writes: the claim itself needs no ordering.
+  bool claim(bool up, int64_t min_tiles, int64_t& a, int64_t& b) {
+    uint64_t cur = lohi.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = int64_t(cur & 0xffffffffu), hi = int64_t(cur >> 32);
+      if (lo >= hi) return false;
+      const int64_t c = std::min(hi - lo, std::max(min_tiles, (hi - lo) / 4));
+      a = up ? lo : hi - c, b = a + c;
+      const uint64_t next = up ? (uint64_t(hi) << 32) | uint64_t(lo + c) : (uint64_t(hi - c) << 32) | uint64_t(lo);
+      if (lohi.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return true;
+    }
+  }
+};
+
 // digits: null (the fp32 kernels read x), or the VNNI kernel, each thread first making the
 // digits of the rows its tiles read (their experts' rows); packed: w in the packed layout
 // (digits only).
@@ -313,13 +349,36 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
 #if defined(__AVX512F__)
   if (digits) {
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
-    const std::vector<int64_t> first = weighted_split(offsets, active, per_expert, std::max<int64_t>(workers, 1));
+    const int64_t W = std::max<int64_t>(workers, 1);
+    const std::vector<int64_t> first = weighted_split(offsets, active, per_expert, W);
+    std::vector<int64_t> margin(W + 1, 0);   // zone b: tiles [first[b] - margin[b], first[b] + margin[b])
+    std::vector<MeetZone> zones(W + 1);
+    for (int64_t b = 1; b < W; ++b) {
+      margin[b] = std::llround(kMeetShare * double(std::min(first[b] - first[b - 1], first[b + 1] - first[b])));
+      zones[b].set(first[b] - margin[b], first[b] + margin[b]);
+    }
+    const int64_t min_tiles = std::max<int64_t>(1, kMeetChunkBytes / tile_bytes);
+    const auto row_of_tile = [&](int64_t t) { return offsets[active[std::min(t, tiles - 1) / per_expert]]; };
     at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
       for (int64_t w = w0; w < w1; ++w) {
-        const int64_t t0 = first[w], t1 = first[w + 1];
-        if (t0 >= t1) continue;
-        const int64_t ra = offsets[active[t0 / per_expert]], rb = offsets[active[(t1 - 1) / per_expert] + 1];
-        job.run_digits((*digits)(ra, rb), t0, t1);
+        const int64_t lo = first[w] - margin[w], hi = first[w + 1] + margin[w + 1];   // all it may take
+        const int64_t s0 = first[w] + margin[w], s1 = first[w + 1] - margin[w + 1];   // its own run
+        if (lo >= hi) continue;
+        const int64_t ra = row_of_tile(lo), rb = offsets[active[(hi - 1) / per_expert] + 1];
+        vnni::ActDigits d = digits->alloc(ra, rb);
+        int64_t fa = row_of_tile(s0), fb = fa;   // the rows whose digits are made: [fa, fb)
+        const auto run = [&](int64_t t0, int64_t t1) {
+          const int64_t r0 = row_of_tile(t0), r1 = offsets[active[(t1 - 1) / per_expert] + 1];
+          if (r1 > fb) digits->fill(d, ra, std::max(r0, fb), r1), fb = r1;
+          if (r0 < fa) digits->fill(d, ra, r0, std::min(r1, fa)), fa = r0;
+          job.run_digits(d, t0, t1);
+        };
+        if (s0 < s1) run(s0, s1);
+        int64_t a, b;
+        if (w + 1 < W)
+          while (zones[w + 1].claim(true, min_tiles, a, b)) run(a, b);
+        if (w > 0)
+          while (zones[w].claim(false, min_tiles, a, b)) run(a, b);
       }
     });
     return;
@@ -580,33 +639,38 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
       // The digits of the T token rows, read through the sort, made by each thread of the
       // gate/up pass for itself (two threads: twice 14 us of work at T = 16, where a pass
       // of their own cost ~17 us on a slow hour and ~37 us on a fast one; see below).
-      const RowsDigits token_digits = [&](int64_t ra, int64_t rb) {
-        vnni::ActDigits d = vnni::alloc_digits(xp, T, D, D);
-        vnni::fill_digits(d, 0, T);
-        d.map.assign(rb, 0);
-        for (int64_t r = ra; r < rb; ++r) d.map[r] = pair_of[r] / k;
-        return d;
-      };
+      const RowsDigits token_digits{[&](int64_t ra, int64_t rb) {
+                                      vnni::ActDigits d = vnni::alloc_digits(xp, T, D, D);
+                                      vnni::fill_digits(d, 0, T);
+                                      d.map.assign(rb, 0);
+                                      for (int64_t r = ra; r < rb; ++r) d.map[r] = pair_of[r] / k;
+                                      return d;
+                                    },
+                                    [](vnni::ActDigits&, int64_t, int64_t, int64_t) {}};   // all T made at once
       expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(),
                   &token_digits, packed);
       // a = silu(g) * u and its digits, made in the down pass by the thread that reads them:
       // the rows of its experts, whose h rows it wrote itself in the gate/up pass (both
-      // passes split the same expert list at the same point, weighted_split), except at the one expert a
-      // split cuts (both threads then make its rows, each its own copy). No pass of its own,
-      // and no row crosses between the cores: on this host's fast-memory hours its two
-      // vCPUs sit on different CCDs, where a round trip costs ~330 ns and reading the other
-      // core's rows ~26 GB/s (bench/RESULTS.md, "Packed rows in groups of 16").
+      // passes split the same expert list at the same point, weighted_split), except around
+      // a split, where the threads meet (MeetZone: each makes the rows of the experts it
+      // takes there, its own copy). No pass of its own, and few rows cross between the cores:
+      // on this host's fast-memory hours its two vCPUs sit on different CCDs, where a round
+      // trip costs ~330 ns and reading the other core's rows ~26 GB/s (bench/RESULTS.md,
+      // "Packed rows in groups of 16").
       const float* hp = h.data_ptr<float>();
-      const RowsDigits silu_digits = [&](int64_t ra, int64_t rb) {
-        vnni::ActDigits d = vnni::alloc_digits(nullptr, rb - ra, I, I);
-        d.own_rows.resize((rb - ra) * I);
-        d.x = d.own_rows.data();
-        for (int64_t r = ra; r < rb; ++r) swiglu<float>(hp + r * I2, hp + r * I2 + I, d.own_rows.data() + (r - ra) * I, I);
-        vnni::fill_digits(d, 0, rb - ra);
-        d.map.assign(rb, 0);
-        for (int64_t r = ra; r < rb; ++r) d.map[r] = r - ra;
-        return d;
-      };
+      const RowsDigits silu_digits{[&](int64_t ra, int64_t rb) {
+                                     vnni::ActDigits d = vnni::alloc_digits(nullptr, rb - ra, I, I);
+                                     d.own_rows.resize((rb - ra) * I);
+                                     d.x = d.own_rows.data();
+                                     d.map.assign(rb, 0);
+                                     for (int64_t r = ra; r < rb; ++r) d.map[r] = r - ra;
+                                     return d;
+                                   },
+                                   [&](vnni::ActDigits& d, int64_t ra, int64_t r0, int64_t r1) {
+                                     for (int64_t r = r0; r < r1; ++r)
+                                       swiglu<float>(hp + r * I2, hp + r * I2 + I, d.own_rows.data() + (r - ra) * I, I);
+                                     vnni::fill_digits(d, r0 - ra, r1 - ra);
+                                   }};
       expert_gemv(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, &silu_digits,
                   packed);
     } else
