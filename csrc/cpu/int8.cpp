@@ -270,8 +270,6 @@ struct RowsDigits {
   std::function<vnni::ActDigits(int64_t ra, int64_t rb)> alloc;
   std::function<void(vnni::ActDigits& d, int64_t ra, int64_t r0, int64_t r1)> fill;
 };
-#else
-struct RowsDigits {};   // no digits without AVX-512: never passed
 #endif
 
 // The first tile of each of W threads' runs (and the end, tiles), splitting the experts'
@@ -301,6 +299,7 @@ std::vector<int64_t> weighted_split(const std::vector<int64_t>& offsets, const s
   return first;
 }
 
+#if defined(__AVX512F__)
 // The tiles between two threads' runs, [lo, hi), taken in chunks by both as each finishes its
 // own run: the lower thread from lo upward (its stream goes on), the upper from hi downward.
 // Why: the two cores read at different speeds from minute to minute (on a fast-memory hour
@@ -330,66 +329,91 @@ struct alignas(64) MeetZone {   // a line of its own: only the two neighbours to
     }
   }
 };
+#endif
 
-// digits: null (the fp32 kernels read x), or the VNNI kernel, each thread first making the
-// digits of the rows its tiles read (their experts' rows); packed: w in the packed layout
-// (digits only).
-void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
-                 const int8_t* w, const float* scale, int64_t N, float* y, const RowsDigits* digits = nullptr,
-                 bool packed = false) {
-  TORCH_INTERNAL_ASSERT(!packed || digits, "expert_gemv: the packed layout is read by the digits kernel only");
-  const int64_t rows = packed ? vnni::kPackRows : kTileRows;   // a packed tile: one whole group
-  const int64_t per_expert = (N + rows - 1) / rows;
+// The (expert, tile) items of one projection: 8-row tiles, or one packed group of 16 rows.
+ExpertTiles expert_tiles(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x,
+                         int64_t K, const int8_t* w, const float* scale, int64_t N, float* y, bool packed) {
+  const int64_t rows = packed ? vnni::kPackRows : kTileRows;
   const int64_t tile_bytes = rows * std::max<int64_t>(K, 1);
   // gemv::rows's rule: rows longer than kPrefetchMaxRowBytes stream well enough on their own.
   const int64_t ahead = K > gemv::kPrefetchMaxRowBytes ? 0 : (gemv::kPrefetchMinBytes + tile_bytes - 1) / tile_bytes;
-  const ExpertTiles job{offsets, active, x, K, w, scale, N, y, rows, per_expert, ahead, packed};
-  const int64_t tiles = int64_t(active.size()) * per_expert;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
+  return ExpertTiles{offsets, active, x, K, w, scale, N, y, rows, (N + rows - 1) / rows, ahead, packed};
+}
+
+// The fp32 kernels over one projection's tiles (plain rows), split evenly between the threads.
+void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
+                 const int8_t* w, const float* scale, int64_t N, float* y) {
+  const ExpertTiles job = expert_tiles(offsets, active, x, K, w, scale, N, y, false);
+  const int64_t tiles = int64_t(active.size()) * job.per_expert;
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (job.rows * std::max<int64_t>(K, 1)));
 #if defined(__AVX512F__)
-  if (digits) {
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
-    const int64_t W = std::max<int64_t>(workers, 1);
-    const std::vector<int64_t> first = weighted_split(offsets, active, per_expert, W);
-    std::vector<int64_t> margin(W + 1, 0);   // zone b: tiles [first[b] - margin[b], first[b] + margin[b])
-    std::vector<MeetZone> zones(W + 1);
-    for (int64_t b = 1; b < W; ++b) {
-      margin[b] = std::llround(kMeetShare * double(std::min(first[b] - first[b - 1], first[b + 1] - first[b])));
-      zones[b].set(first[b] - margin[b], first[b] + margin[b]);
-    }
-    const int64_t min_tiles = std::max<int64_t>(1, kMeetChunkBytes / tile_bytes);
-    const auto row_of_tile = [&](int64_t t) { return offsets[active[std::min(t, tiles - 1) / per_expert]]; };
-    at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
-      for (int64_t w = w0; w < w1; ++w) {
-        const int64_t lo = first[w] - margin[w], hi = first[w + 1] + margin[w + 1];   // all it may take
-        const int64_t s0 = first[w] + margin[w], s1 = first[w + 1] - margin[w + 1];   // its own run
-        if (lo >= hi) continue;
-        const int64_t ra = row_of_tile(lo), rb = offsets[active[(hi - 1) / per_expert] + 1];
-        vnni::ActDigits d = digits->alloc(ra, rb);
-        int64_t fa = row_of_tile(s0), fb = fa;   // the rows whose digits are made: [fa, fb)
-        const auto run = [&](int64_t t0, int64_t t1) {
-          const int64_t r0 = row_of_tile(t0), r1 = offsets[active[(t1 - 1) / per_expert] + 1];
-          if (r1 > fb) digits->fill(d, ra, std::max(r0, fb), r1), fb = r1;
-          if (r0 < fa) digits->fill(d, ra, r0, std::min(r1, fa)), fa = r0;
-          job.run_digits(d, t0, t1);
-        };
-        if (s0 < s1) run(s0, s1);
-        int64_t a, b;
-        if (w + 1 < W)
-          while (zones[w + 1].claim(true, min_tiles, a, b)) run(a, b);
-        if (w > 0)
-          while (zones[w].claim(false, min_tiles, a, b)) run(a, b);
-      }
-    });
-    return;
-  }
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
 #else
-  TORCH_CHECK(digits == nullptr, "expert_gemv: activation digits need an AVX-512 build");
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
 #endif
 }
 
+#if defined(__AVX512F__)
+// One projection on the VNNI digits kernel, planned for W workers: worker w runs its own tiles
+// [first[w] + margin[w], first[w + 1] - margin[w + 1]) (weighted_split), then takes tiles from
+// the zones on either side (MeetZone), each making the digits of the rows its tiles read as it
+// comes to them (digits.fill).
+class DigitsPass {
+ public:
+  DigitsPass(const ExpertTiles& job, const RowsDigits& digits, int64_t max_workers)
+      : job_(job), digits_(digits), tiles_(int64_t(job.active.size()) * job.per_expert) {
+    const int64_t tile_bytes = job.rows * std::max<int64_t>(job.K, 1);
+    const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
+    workers_ = std::max<int64_t>(1, std::min<int64_t>(max_workers, (tiles_ + grain - 1) / grain));
+    first_ = weighted_split(job.offsets, job.active, job.per_expert, workers_);
+    margin_.assign(workers_ + 1, 0);
+    zones_ = std::vector<MeetZone>(workers_ + 1);
+    for (int64_t b = 1; b < workers_; ++b) {
+      margin_[b] = std::llround(kMeetShare * double(std::min(first_[b] - first_[b - 1], first_[b + 1] - first_[b])));
+      zones_[b].set(first_[b] - margin_[b], first_[b] + margin_[b]);
+    }
+    min_tiles_ = std::max<int64_t>(1, kMeetChunkBytes / tile_bytes);
+  }
+
+  void run() {
+    at::parallel_for(0, workers_, 1, [&](int64_t w0, int64_t w1) {
+      for (int64_t w = w0; w < w1; ++w) run_worker(w);
+    });
+  }
+
+ private:
+  void run_worker(int64_t w) {
+    const int64_t lo = first_[w] - margin_[w], hi = first_[w + 1] + margin_[w + 1];   // all it may take
+    const int64_t s0 = first_[w] + margin_[w], s1 = first_[w + 1] - margin_[w + 1];   // its own run
+    if (lo >= hi) return;
+    const int64_t ra = first_row(lo), rb = end_row(hi - 1);
+    vnni::ActDigits d = digits_.alloc(ra, rb);
+    int64_t fa = first_row(s0), fb = fa;   // the rows whose digits are made: [fa, fb)
+    const auto run = [&](int64_t t0, int64_t t1) {
+      const int64_t r0 = first_row(t0), r1 = end_row(t1 - 1);
+      if (r1 > fb) digits_.fill(d, ra, std::max(r0, fb), r1), fb = r1;
+      if (r0 < fa) digits_.fill(d, ra, r0, std::min(r1, fa)), fa = r0;
+      job_.run_digits(d, t0, t1);
+    };
+    if (s0 < s1) run(s0, s1);
+    int64_t a, b;
+    if (w + 1 < workers_)
+      while (zones_[w + 1].claim(true, min_tiles_, a, b)) run(a, b);
+    if (w > 0)
+      while (zones_[w].claim(false, min_tiles_, a, b)) run(a, b);
+  }
+
+  int64_t first_row(int64_t t) const { return job_.offsets[job_.active[std::min(t, tiles_ - 1) / job_.per_expert]]; }
+  int64_t end_row(int64_t t) const { return job_.offsets[job_.active[t / job_.per_expert] + 1]; }
+
+  const ExpertTiles& job_;
+  const RowsDigits& digits_;
+  int64_t tiles_, workers_ = 1, min_tiles_ = 1;
+  std::vector<int64_t> first_, margin_;   // zone b: tiles [first_[b] - margin_[b], first_[b] + margin_[b])
+  std::vector<MeetZone> zones_;
+};
+#endif
 // w[N,K] int8 * scale[N] -> [N,K] of `dtype`.
 at::Tensor dequantize_rows(const at::Tensor& w, const at::Tensor& scale, at::ScalarType dtype) {
   return (w.to(at::kFloat) * scale.unsqueeze(1)).to(dtype);
@@ -629,6 +653,7 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   float* ys = y_sorted.data_ptr<float>();
   int64_t busiest = 0;
   for (int64_t e = 0; e < E; ++e) busiest = std::max(busiest, offsets[e + 1] - offsets[e]);
+
   if (busiest <= kGemvMaxRows) {   // decode: every chosen expert's int8 rows streamed once, all experts in one pass
     std::vector<int64_t> active;
     for (int64_t e = 0; e < E; ++e)
@@ -647,8 +672,8 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
                                       return d;
                                     },
                                     [](vnni::ActDigits&, int64_t, int64_t, int64_t) {}};   // all T made at once
-      expert_gemv(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2, h.data_ptr<float>(),
-                  &token_digits, packed);
+      const ExpertTiles gate_up = expert_tiles(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(),
+                                               I2, h.data_ptr<float>(), packed);
       // a = silu(g) * u and its digits, made in the down pass by the thread that reads them:
       // the rows of its experts, whose h rows it wrote itself in the gate/up pass (both
       // passes split the same expert list at the same point, weighted_split), except around
@@ -671,8 +696,10 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
                                        swiglu<float>(hp + r * I2, hp + r * I2 + I, d.own_rows.data() + (r - ra) * I, I);
                                      vnni::fill_digits(d, r0 - ra, r1 - ra);
                                    }};
-      expert_gemv(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys, &silu_digits,
-                  packed);
+      const ExpertTiles down = expert_tiles(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D,
+                                            ys, packed);
+      DigitsPass(gate_up, token_digits, at::get_num_threads()).run();
+      DigitsPass(down, silu_digits, at::get_num_threads()).run();
     } else
 #endif
     {
