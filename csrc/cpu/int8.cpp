@@ -39,9 +39,10 @@
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
 //   (expert, 8-row tile) items split evenly between the threads (with AVX-512
 //   each item's rows read one after another: one sequential stream per thread;
-//   on VNNI the int8_vnni.h kernel, each thread making the digits of the token rows
-//   it reads), silu(g)*u and its digits (each thread its experts' rows), then down likewise (each chosen expert's int8 rows
-//   read once); otherwise per active expert GEMV or dequantise+GEMM by its row
+//   on VNNI the int8_vnni.h kernel, split by cost, the threads meeting in the
+//   middle (DigitsPass), each making the digits of the token rows it reads),
+//   silu(g)*u and its digits (each thread its experts' rows), then down likewise
+//   (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM by its row
 //   count. packed=True: the experts in int8_vnni.h's packed layout (16 rows a
 //   vector, a tile one 16-row group), which the VNNI decode pass reads as one
 //   stream per thread with no horizontal reductions; the other paths unpack what they read.
@@ -159,7 +160,7 @@ inline void row_seq(const float* const* x, const int8_t* w, int64_t K, float* ou
 // y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N].
 // The work is one flat list of (chosen expert, 8-row weight tile) items, all of
 // equal bytes, split evenly between the threads (on VNNI digits by cost, see
-// weighted_split: 16-row packed tiles where packed): one fork/join per projection,
+// weighted_split and DigitsPass: 16-row packed tiles where packed): one fork/join per projection,
 // and the threads stay busy across expert boundaries. With AVX-512 each item's
 // 8 rows are read one after another (row_seq); otherwise gemv_tiles.h's tiles (on a
 // Zen 3, AVX2, row_seq's order measured 0.77x the tiles' GB/s at T = 1, 4 and 16),
@@ -312,6 +313,7 @@ std::vector<int64_t> weighted_split(const std::vector<int64_t>& offsets, const s
 // meeting in the middle").
 constexpr double kMeetShare = 0.15;
 constexpr int64_t kMeetChunkBytes = 64 << 10;
+constexpr int64_t kLeadBytes = 32 << 10;   // DigitsPass::prefetch_lead
 struct alignas(64) MeetZone {   // a line of its own: only the two neighbours touch it
   std::atomic<uint64_t> lohi{0};   // hi << 32 | lo
   void set(int64_t lo, int64_t hi) { lohi.store((uint64_t(hi) << 32) | uint64_t(lo), std::memory_order_relaxed); }
@@ -388,6 +390,7 @@ class DigitsPass {
     const int64_t s0 = first_[w] + margin_[w], s1 = first_[w + 1] - margin_[w + 1];   // its own run
     if (lo >= hi) return;
     const int64_t ra = first_row(lo), rb = end_row(hi - 1);
+    if (s0 < s1) prefetch_lead(s0);   // memory reads on while the thread makes its first digits
     vnni::ActDigits d = digits_.alloc(ra, rb);
     int64_t fa = first_row(s0), fb = fa;   // the rows whose digits are made: [fa, fb)
     const auto run = [&](int64_t t0, int64_t t1) {
@@ -402,6 +405,19 @@ class DigitsPass {
       while (zones_[w + 1].claim(true, min_tiles_, a, b)) run(a, b);
     if (w > 0)
       while (zones_[w].claim(false, min_tiles_, a, b)) run(a, b);
+  }
+
+  // The first kLeadBytes from tile t on, within its expert, into L2. Memory idles while a thread
+  // makes its first digits (1-3 us at T = 1, 10-25 us at T = 16); the stream's first bytes
+  // are in flight meanwhile. In-process on fast hours 32 KiB took T = 1 / 4 / 16 from 75 / 87 /
+  // 76% to 78 / 90 / 77% of the read bandwidth; 96 KiB less, into L1 (T0) less still
+  // (bench/RESULTS.md, "A lead before the digits"). Only the run's start: at each zone chunk
+  // a prefetch cost more than it saved.
+  void prefetch_lead(int64_t t) const {
+    const int8_t* p = job_.tile_weights(t);
+    const int8_t* expert_end = job_.w + (job_.active[t / job_.per_expert] + 1) * job_.N * job_.K;
+    const int64_t n = std::min<int64_t>(kLeadBytes, expert_end - p);
+    for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
   }
 
   int64_t first_row(int64_t t) const { return job_.offsets[job_.active[std::min(t, tiles_ - 1) / job_.per_expert]]; }
