@@ -365,6 +365,7 @@ class DigitsPass {
  public:
   DigitsPass(const ExpertTiles& job, const RowsDigits& digits, int64_t max_workers)
       : job_(job), digits_(digits), tiles_(int64_t(job.active.size()) * job.per_expert) {
+    TORCH_INTERNAL_ASSERT(tiles_ < (int64_t(1) << 32), "DigitsPass: a MeetZone holds tile indices in 32 bits");
     const int64_t tile_bytes = job.rows * std::max<int64_t>(job.K, 1);
     const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
     workers_ = std::max<int64_t>(1, std::min<int64_t>(max_workers, (tiles_ + grain - 1) / grain));
