@@ -57,8 +57,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -185,6 +185,10 @@ struct ExpertTiles {
   const int8_t* tile_weights(int64_t t) const {
     return w + active[t / per_expert] * N * K + (t % per_expert) * rows * K;
   }
+  int64_t tiles() const { return int64_t(active.size()) * per_expert; }
+  int64_t tile_bytes() const { return rows * std::max<int64_t>(K, 1); }
+  // Tiles a thread should have at least: below kMinBytesPerThread a second thread costs more than it reads.
+  int64_t grain() const { return std::max<int64_t>(1, kMinBytesPerThread / tile_bytes()); }
 
 #if defined(__AVX512F__)
   // The items' rows one at a time (row_seq): the AVX-512 decode path.
@@ -347,12 +351,10 @@ ExpertTiles expert_tiles(const std::vector<int64_t>& offsets, const std::vector<
 void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
                  const int8_t* w, const float* scale, int64_t N, float* y) {
   const ExpertTiles job = expert_tiles(offsets, active, x, K, w, scale, N, y, false);
-  const int64_t tiles = int64_t(active.size()) * job.per_expert;
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (job.rows * std::max<int64_t>(K, 1)));
 #if defined(__AVX512F__)
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
+  at::parallel_for(0, job.tiles(), job.grain(), [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
 #else
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
+  at::parallel_for(0, job.tiles(), job.grain(), [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
 #endif
 }
 
@@ -364,11 +366,9 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
 class DigitsPass {
  public:
   DigitsPass(const ExpertTiles& job, const RowsDigits& digits, int64_t max_workers)
-      : job_(job), digits_(digits), tiles_(int64_t(job.active.size()) * job.per_expert) {
+      : job_(job), digits_(digits), tiles_(job.tiles()) {
     TORCH_INTERNAL_ASSERT(tiles_ < (int64_t(1) << 32), "DigitsPass: a MeetZone holds tile indices in 32 bits");
-    const int64_t tile_bytes = job.rows * std::max<int64_t>(job.K, 1);
-    const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / tile_bytes);
-    workers_ = std::max<int64_t>(1, std::min<int64_t>(max_workers, (tiles_ + grain - 1) / grain));
+    workers_ = std::max<int64_t>(1, std::min<int64_t>(max_workers, (tiles_ + job.grain() - 1) / job.grain()));
     first_ = weighted_split(job.offsets, job.active, job.per_expert, workers_);
     margin_.assign(workers_ + 1, 0);
     zones_ = std::vector<MeetZone>(workers_ + 1);
@@ -376,7 +376,7 @@ class DigitsPass {
       margin_[b] = std::llround(kMeetShare * double(std::min(first_[b] - first_[b - 1], first_[b + 1] - first_[b])));
       zones_[b].set(first_[b] - margin_[b], first_[b] + margin_[b]);
     }
-    min_tiles_ = std::max<int64_t>(1, kMeetChunkBytes / tile_bytes);
+    min_tiles_ = std::max<int64_t>(1, kMeetChunkBytes / job.tile_bytes());
   }
 
   void run() {
@@ -431,6 +431,7 @@ class DigitsPass {
   std::vector<MeetZone> zones_;
 };
 #endif
+
 // w[N,K] int8 * scale[N] -> [N,K] of `dtype`.
 at::Tensor dequantize_rows(const at::Tensor& w, const at::Tensor& scale, at::ScalarType dtype) {
   return (w.to(at::kFloat) * scale.unsqueeze(1)).to(dtype);
@@ -670,7 +671,6 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   float* ys = y_sorted.data_ptr<float>();
   int64_t busiest = 0;
   for (int64_t e = 0; e < E; ++e) busiest = std::max(busiest, offsets[e + 1] - offsets[e]);
-
   if (busiest <= kGemvMaxRows) {   // decode: every chosen expert's int8 rows streamed once, all experts in one pass
     std::vector<int64_t> active;
     for (int64_t e = 0; e < E; ++e)
