@@ -77,6 +77,10 @@ namespace {
 constexpr int64_t kTileRows = gemv::kParallelTileRows;
 using gemv::kGemvMaxRows;   // at most this many activation rows take the GEMV path
 using gemv::kMinBytesPerThread;
+// Prefetched into L2 ahead of the VNNI decode's streams: a thread's run at its start
+// (DigitsPass::prefetch_lead) and an expert after a jump (ExpertTiles::run_digits).
+constexpr int64_t kLeadBytes = 32 << 10;
+constexpr int64_t kJumpLeadBytes = 16 << 10;
 
 // Elements per thread below which row loops stay on the calling thread: a decode
 // step's few rows cost less than waking the other threads.
@@ -217,18 +221,42 @@ struct ExpertTiles {
 
   // The same items on VNNI (int8_vnni.h): activation digits, integer dot products.
   // Each expert's run of tiles in one call (one stream, prefetched ahead within the expert).
+  // Where the next expert of the run lies elsewhere in memory (not e + 1: at T = 1 and 4 nearly
+  // every boundary), the hardware prefetcher restarts cold there: the next expert's first
+  // kJumpLeadBytes go to L2 as this expert's last tile starts. In-process on fast hours this took
+  // T = 1 / 4 from 69-71 / 79-81% to 71-73 / 82-84% of the read bandwidth, slow hours +6-14
+  // points; 8 KiB, or the lead two tiles early, gained nothing; at T = 16, where most boundaries
+  // are contiguous, level (bench/RESULTS.md, "A lead at each jump").
   void run_digits(const vnni::ActDigits& digits, int64_t t0, int64_t t1) const {
     for (int64_t t = t0; t < t1;) {
       const int64_t i = t / per_expert, e = active[i];
       const int64_t t_end = std::min(t1, (i + 1) * per_expert);
       const int64_t r0 = offsets[e], M = offsets[e + 1] - r0;
       const int64_t n0 = (t % per_expert) * rows, n1 = std::min(N, (t_end - i * per_expert) * rows);
-      if (packed)
-        vnni::packed_rows_digits(digits, r0, M, w + e * N * K, N, n0, n1, scale + e * N, nullptr, y, N);
-      else
-        vnni::rows_digits(digits, r0, M, w + e * N * K, n0, n1, scale + e * N, nullptr, y, N);
+      const auto run = [&](int64_t a, int64_t b) {
+        if (packed)
+          vnni::packed_rows_digits(digits, r0, M, w + e * N * K, N, a, b, scale + e * N, nullptr, y, N);
+        else
+          vnni::rows_digits(digits, r0, M, w + e * N * K, a, b, scale + e * N, nullptr, y, N);
+      };
+      const int64_t last = (n1 - 1) / rows * rows;   // the last tile's first row
+      if (packed && t_end < t1 && active[i + 1] != e + 1 && last > n0) {
+        run(n0, last);
+        prefetch(t_end, kJumpLeadBytes);
+        run(last, n1);
+      } else {
+        run(n0, n1);
+      }
       t = t_end;
     }
+  }
+
+  // The first `bytes` from tile t on, within its expert, into L2.
+  void prefetch(int64_t t, int64_t bytes) const {
+    const int8_t* p = tile_weights(t);
+    const int8_t* expert_end = w + (active[t / per_expert] + 1) * N * K;
+    const int64_t n = std::min<int64_t>(bytes, expert_end - p);
+    for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
   }
 #endif
 
@@ -317,7 +345,6 @@ std::vector<int64_t> weighted_split(const std::vector<int64_t>& offsets, const s
 // meeting in the middle").
 constexpr double kMeetShare = 0.15;
 constexpr int64_t kMeetChunkBytes = 64 << 10;
-constexpr int64_t kLeadBytes = 32 << 10;   // DigitsPass::prefetch_lead
 struct alignas(64) MeetZone {   // a line of its own: only the two neighbours touch it
   std::atomic<uint64_t> lohi{0};   // hi << 32 | lo
   void set(int64_t lo, int64_t hi) { lohi.store((uint64_t(hi) << 32) | uint64_t(lo), std::memory_order_relaxed); }
@@ -408,18 +435,13 @@ class DigitsPass {
       while (zones_[w].claim(false, min_tiles_, a, b)) run(a, b);
   }
 
-  // The first kLeadBytes from tile t on, within its expert, into L2. Memory idles while a thread
-  // makes its first digits (1-3 us at T = 1, 10-25 us at T = 16); the stream's first bytes
-  // are in flight meanwhile. In-process on fast hours 32 KiB took T = 1 / 4 / 16 from 75 / 87 /
+  // The first kLeadBytes of the thread's run into L2 (ExpertTiles::prefetch). Memory idles while
+  // a thread makes its first digits (1-3 us at T = 1, 10-25 us at T = 16); the stream's first
+  // bytes are in flight meanwhile. In-process on fast hours 32 KiB took T = 1 / 4 / 16 from 75 / 87 /
   // 76% to 78 / 90 / 77% of the read bandwidth; 96 KiB less, into L1 (T0) less still
   // (bench/RESULTS.md, "A lead before the digits"). Only the run's start: at each zone chunk
   // a prefetch cost more than it saved.
-  void prefetch_lead(int64_t t) const {
-    const int8_t* p = job_.tile_weights(t);
-    const int8_t* expert_end = job_.w + (job_.active[t / job_.per_expert] + 1) * job_.N * job_.K;
-    const int64_t n = std::min<int64_t>(kLeadBytes, expert_end - p);
-    for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
-  }
+  void prefetch_lead(int64_t t) const { job_.prefetch(t, kLeadBytes); }
 
   int64_t first_row(int64_t t) const { return job_.offsets[job_.active[std::min(t, tiles_ - 1) / job_.per_expert]]; }
   int64_t end_row(int64_t t) const { return job_.offsets[job_.active[t / job_.per_expert] + 1]; }
