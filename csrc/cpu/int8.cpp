@@ -225,8 +225,8 @@ struct ExpertTiles {
   // every boundary), the hardware prefetcher restarts cold there: the next expert's first
   // kJumpLeadBytes go to L2 as this expert's last tile starts. In-process on fast hours this took
   // T = 1 / 4 from 69-71 / 79-81% to 71-73 / 82-84% of the read bandwidth, slow hours +6-14
-  // points; 8 KiB, or the lead two tiles early, gained nothing; at T = 16, where most boundaries
-  // are contiguous, level (bench/RESULTS.md, "A lead at each jump").
+  // points; 8 KiB gained in one build and not in another, 12-16 KiB in every run; at T = 16, where
+  // most boundaries are contiguous, level (bench/RESULTS.md, "A lead at each jump").
   void run_digits(const vnni::ActDigits& digits, int64_t t0, int64_t t1) const {
     for (int64_t t = t0; t < t1;) {
       const int64_t i = t / per_expert, e = active[i];
