@@ -79,7 +79,7 @@ constexpr int64_t kTileRows = gemv::kParallelTileRows;
 using gemv::kGemvMaxRows;   // at most this many activation rows take the GEMV path
 using gemv::kMinBytesPerThread;
 // Prefetched into L2 ahead of the VNNI decode's streams: a thread's run at its start
-// (DigitsPass::prefetch_lead) and an expert after a jump (ExpertTiles::run_digits).
+// (DigitsPass::run_worker) and an expert after a jump (ExpertTiles::run_digits).
 constexpr int64_t kLeadBytes = 32 << 10;
 constexpr int64_t kJumpLeadBytes = 16 << 10;
 
@@ -419,7 +419,12 @@ class DigitsPass {
     const int64_t s0 = first_[w] + margin_[w], s1 = first_[w + 1] - margin_[w + 1];   // its own run
     if (lo >= hi) return;
     const int64_t ra = first_row(lo), rb = end_row(hi - 1);
-    if (s0 < s1) prefetch_lead(s0);   // memory reads on while the thread makes its first digits
+    // The first kLeadBytes of its own run into L2: memory idles while a thread makes its first
+    // digits (1-3 us at T = 1, 10-25 us at T = 16). In-process on fast hours 32 KiB took T = 1 / 4 /
+    // 16 from 75 / 87 / 76% to 78 / 90 / 77% of the read bandwidth; 96 KiB less, into L1 (T0) less
+    // still (bench/RESULTS.md, "A lead before the digits"). Only the run's start: at each zone
+    // chunk a prefetch cost more than it saved.
+    if (s0 < s1) job_.prefetch(s0, kLeadBytes);
     vnni::ActDigits d = digits_.alloc(ra, rb);
     int64_t fa = first_row(s0), fb = fa;   // the rows whose digits are made: [fa, fb)
     const auto run = [&](int64_t t0, int64_t t1) {
@@ -435,14 +440,6 @@ class DigitsPass {
     if (w > 0)
       while (zones_[w].claim(false, min_tiles_, a, b)) run(a, b);
   }
-
-  // The first kLeadBytes of the thread's run into L2 (ExpertTiles::prefetch). Memory idles while
-  // a thread makes its first digits (1-3 us at T = 1, 10-25 us at T = 16); the stream's first
-  // bytes are in flight meanwhile. In-process on fast hours 32 KiB took T = 1 / 4 / 16 from 75 / 87 /
-  // 76% to 78 / 90 / 77% of the read bandwidth; 96 KiB less, into L1 (T0) less still
-  // (bench/RESULTS.md, "A lead before the digits"). Only the run's start: at each zone chunk
-  // a prefetch cost more than it saved.
-  void prefetch_lead(int64_t t) const { job_.prefetch(t, kLeadBytes); }
 
   int64_t first_row(int64_t t) const { return job_.offsets[job_.active[std::min(t, tiles_ - 1) / job_.per_expert]]; }
   int64_t end_row(int64_t t) const { return job_.offsets[job_.active[t / job_.per_expert] + 1]; }
@@ -695,8 +692,9 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
   // The expert output of each sorted pair (y_sorted) and, at decode, the gate/up rows (h), in
   // the calling thread's Workspace: buffers allocated per call went back to the OS and were
   // faulted in again call after call (a perf profile at T = 16: ~1.3% of the samples in page
-  // faults). Reused, T = 1 / 4 read 1.0-1.4 points more of the bandwidth in-process
-  // (bench/RESULTS.md, "A lead at each jump").
+  // faults). Reused, T = 1 / 4 read 1.0-1.4 points more of the bandwidth in-process, and a
+  // 2048-token prefill's 50 MB of sorted rows (over glibc's 32 MiB mmap bound: fresh pages every
+  // call) ran the op 1.2-1.4x faster (bench/RESULTS.md, "A lead at each jump").
   const Workspace buf(size_t(T * k * (D + (decode ? I2 : 0))) * sizeof(float));
   float* ys = buf.as<float>();
   const at::Tensor y_sorted = at::from_blob(ys, {T * k, D}, x.options());
