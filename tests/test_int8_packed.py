@@ -78,8 +78,8 @@ def test_packed_equals_plain_bit_for_bit(T, D, I, E, k, w8a8):
 @pytest.mark.parametrize("T", [1, 16])
 def test_decode_threads_meeting_in_the_middle_give_the_same_bits(T):
     """At the small preset's sizes the decode pass's threads take the tiles around each split
-    from both ends (csrc/cpu/int8.cpp, MeetZone), several chunks a zone, up and down; a zone's
-    expert rows get their digits as they are taken. 1 to 4 threads (3 and 4: a thread between
+    from both ends (csrc/cpu/int8.cpp, MeetPass), several chunks a zone, up and down (on VNNI a
+    zone's expert rows get their digits as they are taken; elsewhere the fp32 tiles meet alike). 1 to 4 threads (3 and 4: a thread between
     two zones) give the same bits, packed or plain, as each token alone."""
     x, wgu, sgu, wd, sd, weights, ids = _moe(T, 1024, 256, 64, 6, seed=5 + T)
     pgu, pd = pack_rows(wgu), pack_rows(wd)

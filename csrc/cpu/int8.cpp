@@ -40,7 +40,7 @@
 //   (expert, 8-row tile) items split evenly between the threads (with AVX-512
 //   each item's rows read one after another: one sequential stream per thread;
 //   on VNNI the int8_vnni.h kernel, split by cost, the threads meeting in the
-//   middle (DigitsPass), each making the digits of the token rows it reads),
+//   middle (MeetPass), each making the digits of the token rows it reads),
 //   silu(g)*u and its digits (each thread its experts' rows), then down likewise
 //   (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM by its row
 //   count. packed=True: the experts in int8_vnni.h's packed layout (16 rows a
@@ -79,7 +79,7 @@ constexpr int64_t kTileRows = gemv::kParallelTileRows;
 using gemv::kGemvMaxRows;   // at most this many activation rows take the GEMV path
 using gemv::kMinBytesPerThread;
 // Prefetched into L2 ahead of the VNNI decode's streams: a thread's run at its start
-// (DigitsPass::run_worker) and an expert after a jump (ExpertTiles::run_digits).
+// (MeetPass::run_worker) and an expert after a jump (ExpertTiles::run_digits).
 constexpr int64_t kLeadBytes = 32 << 10;
 constexpr int64_t kJumpLeadBytes = 16 << 10;
 
@@ -163,10 +163,10 @@ inline void row_seq(const float* const* x, const int8_t* w, int64_t K, float* ou
 
 // For every expert e with rows [offsets[e], offsets[e+1]) of x (sorted pairs, [*, K]):
 // y[r] = x[r] @ (w[e] * scale[e])^T, w int8 [E, N, K], scale [E, N], y [*, N].
-// The work is one flat list of (chosen expert, 8-row weight tile) items, all of
-// equal bytes, split evenly between the threads (on VNNI digits by cost, see
-// weighted_split and DigitsPass: 16-row packed tiles where packed): one fork/join per projection,
-// and the threads stay busy across expert boundaries. With AVX-512 each item's
+// The work is one flat list of (chosen expert, 8-row weight tile) items (16-row packed
+// tiles where packed), split between the threads by cost, the threads meeting in the middle
+// (weighted_split, MeetPass): one fork/join per projection, and the threads stay busy across
+// expert boundaries. With AVX-512 each item's
 // 8 rows are read one after another (row_seq); otherwise gemv_tiles.h's tiles (on a
 // Zen 3, AVX2, row_seq's order measured 0.77x the tiles' GB/s at T = 1, 4 and 16),
 // each prefetching the item gemv::kPrefetchMinBytes ahead in the thread's own
@@ -252,14 +252,15 @@ struct ExpertTiles {
     }
   }
 
+#endif
+
   // The first `bytes` from tile t on, within its expert, into L2.
   void prefetch(int64_t t, int64_t bytes) const {
     const int8_t* p = tile_weights(t);
     const int8_t* expert_end = w + (active[t / per_expert] + 1) * N * K;
     const int64_t n = std::min<int64_t>(bytes, expert_end - p);
-    for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 2);   // 2: _MM_HINT_T1
   }
-#endif
 
   // Portable path: gemv_tiles.h's tiles, 8 rows side by side, prefetching across experts.
 
@@ -333,7 +334,6 @@ std::vector<int64_t> weighted_split(const std::vector<int64_t>& offsets, const s
   return first;
 }
 
-#if defined(__AVX512F__)
 // The tiles between two threads' runs, [lo, hi), taken in chunks by both as each finishes its
 // own run: the lower thread from lo upward (its stream goes on), the upper from hi downward.
 // Why: the two cores read at different speeds from minute to minute (on a fast-memory hour
@@ -363,7 +363,6 @@ struct alignas(64) MeetZone {   // a line of its own: only the two neighbours to
     }
   }
 };
-#endif
 
 // The (expert, tile) items of one projection: 8-row tiles, or one packed group of 16 rows.
 ExpertTiles expert_tiles(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x,
@@ -375,27 +374,14 @@ ExpertTiles expert_tiles(const std::vector<int64_t>& offsets, const std::vector<
   return ExpertTiles{offsets, active, x, K, w, scale, N, y, rows, (N + rows - 1) / rows, ahead, packed};
 }
 
-// The fp32 kernels over one projection's tiles (plain rows), split evenly between the threads.
-void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
-                 const int8_t* w, const float* scale, int64_t N, float* y) {
-  const ExpertTiles job = expert_tiles(offsets, active, x, K, w, scale, N, y, false);
-#if defined(__AVX512F__)
-  at::parallel_for(0, job.tiles(), job.grain(), [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); });
-#else
-  at::parallel_for(0, job.tiles(), job.grain(), [&](int64_t t0, int64_t t1) { job.run(t0, t1); });
-#endif
-}
-
-#if defined(__AVX512F__)
-// One projection on the VNNI digits kernel, planned for W workers: worker w runs its own tiles
+// One projection's tiles, planned for W workers: worker w runs its own tiles
 // [first[w] + margin[w], first[w + 1] - margin[w + 1]) (weighted_split), then takes tiles from
-// the zones on either side (MeetZone), each making the digits of the rows its tiles read as it
-// comes to them (digits.fill).
-class DigitsPass {
+// the zones on either side (MeetZone). run(begin): begin(lo, hi) is called once by each worker
+// with all the tiles it may take, [lo, hi), and returns what runs a range of them.
+class MeetPass {
  public:
-  DigitsPass(const ExpertTiles& job, const RowsDigits& digits, int64_t max_workers)
-      : job_(job), digits_(digits), tiles_(job.tiles()) {
-    TORCH_INTERNAL_ASSERT(tiles_ < (int64_t(1) << 32), "DigitsPass: a MeetZone holds tile indices in 32 bits");
+  MeetPass(const ExpertTiles& job, int64_t max_workers) : job_(job), tiles_(job.tiles()) {
+    TORCH_INTERNAL_ASSERT(tiles_ < (int64_t(1) << 32), "MeetPass: a MeetZone holds tile indices in 32 bits");
     workers_ = std::max<int64_t>(1, std::min<int64_t>(max_workers, (tiles_ + job.grain() - 1) / job.grain()));
     first_ = weighted_split(job.offsets, job.active, job.per_expert, workers_);
     margin_.assign(workers_ + 1, 0);
@@ -407,32 +393,26 @@ class DigitsPass {
     min_tiles_ = std::max<int64_t>(1, kMeetChunkBytes / job.tile_bytes());
   }
 
-  void run() {
+  template <typename Begin>
+  void run(const Begin& begin) {
     at::parallel_for(0, workers_, 1, [&](int64_t w0, int64_t w1) {
-      for (int64_t w = w0; w < w1; ++w) run_worker(w);
+      for (int64_t w = w0; w < w1; ++w) run_worker(w, begin);
     });
   }
 
  private:
-  void run_worker(int64_t w) {
+  template <typename Begin>
+  void run_worker(int64_t w, const Begin& begin) {
     const int64_t lo = first_[w] - margin_[w], hi = first_[w + 1] + margin_[w + 1];   // all it may take
     const int64_t s0 = first_[w] + margin_[w], s1 = first_[w + 1] - margin_[w + 1];   // its own run
     if (lo >= hi) return;
-    const int64_t ra = first_row(lo), rb = end_row(hi - 1);
     // The first kLeadBytes of its own run into L2: memory idles while a thread makes its first
     // digits (1-3 us at T = 1, 10-25 us at T = 16). In-process on fast hours 32 KiB took T = 1 / 4 /
     // 16 from 75 / 87 / 76% to 78 / 90 / 77% of the read bandwidth; 96 KiB less, into L1 (T0) less
     // still (bench/RESULTS.md, "A lead before the digits"). Only the run's start: at each zone
     // chunk a prefetch cost more than it saved.
     if (s0 < s1) job_.prefetch(s0, kLeadBytes);
-    vnni::ActDigits d = digits_.alloc(ra, rb);
-    int64_t fa = first_row(s0), fb = fa;   // the rows whose digits are made: [fa, fb)
-    const auto run = [&](int64_t t0, int64_t t1) {
-      const int64_t r0 = first_row(t0), r1 = end_row(t1 - 1);
-      if (r1 > fb) digits_.fill(d, ra, std::max(r0, fb), r1), fb = r1;
-      if (r0 < fa) digits_.fill(d, ra, r0, std::min(r1, fa)), fa = r0;
-      job_.run_digits(d, t0, t1);
-    };
+    auto run = begin(lo, hi);
     if (s0 < s1) run(s0, s1);
     int64_t a, b;
     if (w + 1 < workers_)
@@ -441,15 +421,46 @@ class DigitsPass {
       while (zones_[w].claim(false, min_tiles_, a, b)) run(a, b);
   }
 
-  int64_t first_row(int64_t t) const { return job_.offsets[job_.active[std::min(t, tiles_ - 1) / job_.per_expert]]; }
-  int64_t end_row(int64_t t) const { return job_.offsets[job_.active[t / job_.per_expert] + 1]; }
-
   const ExpertTiles& job_;
-  const RowsDigits& digits_;
   int64_t tiles_, workers_ = 1, min_tiles_ = 1;
   std::vector<int64_t> first_, margin_;   // zone b: tiles [first_[b] - margin_[b], first_[b] + margin_[b])
   std::vector<MeetZone> zones_;
 };
+
+// The fp32 kernels over one projection's tiles (plain rows), the threads meeting in the middle:
+// split evenly, one thread's tiles ended 3-8 us after the other's on average at T = 1 on a Zen 3
+// (per call, either one first), its partner idle meanwhile (bench/RESULTS.md, "AVX2 hosts").
+void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
+                 const int8_t* w, const float* scale, int64_t N, float* y) {
+  const ExpertTiles job = expert_tiles(offsets, active, x, K, w, scale, N, y, false);
+  MeetPass(job, at::get_num_threads()).run([&](int64_t, int64_t) {
+#if defined(__AVX512F__)
+    return [&](int64_t t0, int64_t t1) { job.run_rows(t0, t1); };
+#else
+    return [&](int64_t t0, int64_t t1) { job.run(t0, t1); };
+#endif
+  });
+}
+
+#if defined(__AVX512F__)
+// One projection on the VNNI digits kernel (MeetPass), each worker making the digits of the
+// rows its tiles read as it comes to them (digits.fill).
+void digits_pass(const ExpertTiles& job, const RowsDigits& digits) {
+  const auto first_row = [&](int64_t t) { return job.offsets[job.active[std::min(t, job.tiles() - 1) / job.per_expert]]; };
+  const auto end_row = [&](int64_t t) { return job.offsets[job.active[t / job.per_expert] + 1]; };
+  MeetPass(job, at::get_num_threads()).run([&](int64_t lo, int64_t hi) {
+    const int64_t ra = first_row(lo), rb = end_row(hi - 1);
+    // The rows whose digits are made, [fa, fb): from the first range's on, grown at either end
+    // (its own run, then chunks upward from its end and downward from its start).
+    return [&, ra, d = digits.alloc(ra, rb), fa = int64_t(-1), fb = int64_t(-1)](int64_t t0, int64_t t1) mutable {
+      const int64_t r0 = first_row(t0), r1 = end_row(t1 - 1);
+      if (fb < 0) fa = fb = r0;
+      if (r1 > fb) digits.fill(d, ra, std::max(r0, fb), r1), fb = r1;
+      if (r0 < fa) digits.fill(d, ra, r0, std::min(r1, fa)), fa = r0;
+      job.run_digits(d, t0, t1);
+    };
+  });
+}
 #endif
 
 // w[N,K] int8 * scale[N] -> [N,K] of `dtype`.
@@ -743,8 +754,8 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
                                    }};
       const ExpertTiles down = expert_tiles(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D,
                                             ys, packed);
-      DigitsPass(gate_up, token_digits, at::get_num_threads()).run();
-      DigitsPass(down, silu_digits, at::get_num_threads()).run();
+      digits_pass(gate_up, token_digits);
+      digits_pass(down, silu_digits);
     } else
 #endif
     {
