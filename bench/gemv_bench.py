@@ -135,16 +135,8 @@ def bench_moe(a, bw):
             layers.append(tuple(map(on_huge_pages, (pack(wgu), sgu, pack(wd), sd))))
     expert_bytes = 3 * I * D + 4 * (2 * I + D)
     for T in (1, 4, 16):
-        # Every call routes afresh (new ids, layers in turn), and enough calls are cycled
-        # that the experts they touch exceed twice the L3: with one fixed routing the
-        # 6 layers' chosen experts at T=1 (27.6 MB) nearly fit the 32 MiB L3.
-        g = torch.Generator().manual_seed(T)
         per_call = min(E, T * k) * expert_bytes
-        calls = []
-        n_layers = len(layouts["plain"])
-        while not calls or len(calls) < n_layers or sum(n for _, _, n in calls) * expert_bytes < 2 * L3:
-            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
-            calls.append((len(calls) % n_layers, ids, int(ids.unique().numel())))
+        calls = routings(T, E, k, len(layouts["plain"]), expert_bytes)
         x, w = torch.randn(T, D), torch.rand(T, k)
         n_exp = statistics.mean(n for _, _, n in calls)
         nbytes = n_exp * expert_bytes
@@ -173,6 +165,18 @@ def bench_moe(a, bw):
             wins = sum(p < q for p, q in zip(ts["packed"], ts["plain"]))
             print(f"  packed / plain: {statistics.median(ts['plain']) / statistics.median(ts['packed']):.2f}x, "
                   f"packed faster in {wins} of {a.rounds} rounds", flush=True)
+
+
+def routings(T, E, k, n_layers, expert_bytes):
+    """[(layer, ids [T,k] int32, distinct experts)]: every call routes afresh (new ids, layers
+    in turn), and enough calls that the experts they touch exceed twice the L3: with one
+    fixed routing the 6 layers' chosen experts at T=1 (27.6 MB) nearly fit the 32 MiB L3."""
+    g = torch.Generator().manual_seed(T)
+    calls = []
+    while not calls or len(calls) < n_layers or sum(n for _, _, n in calls) * expert_bytes < 2 * L3:
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+        calls.append((len(calls) % n_layers, ids, int(ids.unique().numel())))
+    return calls
 
 
 def _moe_by_bandwidth(a, T, runs, nbytes, bw):
