@@ -11,8 +11,8 @@ list of VAR=value ("-": no GLM5_AB_* variable set); the first is the baseline.
 
 prints, per T, the medians of each variant's GB/s (and fraction of the round's sum) and of
 each variant's ratio to the baseline, with how many rounds it was faster. Experts as
-gemv_bench.py's `--only moe` keeps them: the `small` preset's MoE layers on huge pages,
-routings cycled past twice the L3 (cold).
+the model keeps them: the `small` preset's MoE layers on huge pages, packed where
+`packed_experts_pay` (VNNI), routings cycled past twice the L3 (cold).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 import gemv_bench  # noqa: F401  (puts the repository on sys.path)
 import glm5_ops
 from gemv_bench import routings
+from glm5_ops.int8 import pack_rows, packed_experts_pay
 from glm5_ops.memory import on_huge_pages
 from models.glm5 import preset
 
@@ -58,11 +59,13 @@ def main(argv=None) -> None:
     c = preset(a.preset)
     E, I, D, k = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size, c.num_experts_per_tok
     n_layers = a.layers or sum(t == "sparse" for t in c.mlp_layer_types)
+    packed = packed_experts_pay(torch.device("cpu"), D, I)
+    pack = pack_rows if packed else (lambda t: t)
     layers = []
     for _ in range(n_layers):
         wgu, sgu = glm5_ops.quantize_int8(torch.randn(E, 2 * I, D) * D ** -0.5)
         wd, sd = glm5_ops.quantize_int8(torch.randn(E, D, I) * I ** -0.5)
-        layers.append(tuple(map(on_huge_pages, (wgu, sgu, wd, sd))))
+        layers.append(tuple(map(on_huge_pages, (pack(wgu), sgu, pack(wd), sd))))
     expert_bytes = 3 * I * D + 4 * (2 * I + D)
     big = on_huge_pages(torch.randn(64 * 2**20))
 
@@ -79,7 +82,7 @@ def main(argv=None) -> None:
             t = time.perf_counter()
             for i in range(reps):
                 layer, ids, _ = calls[i % len(calls)]
-                glm5_ops.fused_moe_int8(x, *layers[layer], w, ids)
+                glm5_ops.fused_moe_int8(x, *layers[layer], w, ids, packed=packed)
             return nbytes * reps / (time.perf_counter() - t) / 1e9
 
         rows, end = [], time.perf_counter() + a.seconds
@@ -92,7 +95,7 @@ def main(argv=None) -> None:
             rows.append(row)
         set_variant("-")
         base = a.variants[0]
-        line = f"T={T}, {len(rows)} rounds, sum median {statistics.median(r['sum'] for r in rows):.1f} GB/s:"
+        line = f"T={T}{' packed' if packed else ''}, {len(rows)} rounds, sum median {statistics.median(r['sum'] for r in rows):.1f} GB/s:"
         for v in a.variants:
             line += f"  [{v}] {statistics.median(r[v] for r in rows):.1f} GB/s " \
                     f"({statistics.median(r[v] / r['sum'] for r in rows):.0%})"

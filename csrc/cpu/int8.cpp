@@ -407,10 +407,11 @@ class MeetPass {
     const int64_t s0 = first_[w] + margin_[w], s1 = first_[w + 1] - margin_[w + 1];   // its own run
     if (lo >= hi) return;
     // The first kLeadBytes of its own run into L2: memory idles while a thread makes its first
-    // digits (1-3 us at T = 1, 10-25 us at T = 16). In-process on fast hours 32 KiB took T = 1 / 4 /
-    // 16 from 75 / 87 / 76% to 78 / 90 / 77% of the read bandwidth; 96 KiB less, into L1 (T0) less
-    // still (bench/RESULTS.md, "A lead before the digits"). Only the run's start: at each zone
-    // chunk a prefetch cost more than it saved.
+    // digits (1-3 us at T = 1, 10-25 us at T = 16). In-process on fast hours 32 KiB took the VNNI
+    // pass at T = 1 / 4 / 16 from 75 / 87 / 76% to 78 / 90 / 77% of the read bandwidth; 96 KiB less,
+    // into L1 (T0) less still (bench/RESULTS.md, "A lead before the digits"). Only the run's start:
+    // at each zone chunk a prefetch cost more than it saved. (The fp32 tiles, whose first tile
+    // waits on memory too, take it as well; measured with the meeting, not alone.)
     if (s0 < s1) job_.prefetch(s0, kLeadBytes);
     auto run = begin(lo, hi);
     if (s0 < s1) run(s0, s1);
@@ -427,9 +428,10 @@ class MeetPass {
   std::vector<MeetZone> zones_;
 };
 
-// The fp32 kernels over one projection's tiles (plain rows), the threads meeting in the middle:
-// split evenly, one thread's tiles ended 3-8 us after the other's on average at T = 1 on a Zen 3
-// (per call, either one first), its partner idle meanwhile (bench/RESULTS.md, "AVX2 hosts").
+// The fp32 kernels over one projection's tiles (plain rows), the threads meeting in the middle.
+// Split evenly, a T = 1 call's two threads ended 7-10 us apart on average on a Zen 3 (either one
+// first); on MeetPass T = 4 / 16 read 1.017 / 1.032x, T = 1 level (bench/RESULTS.md, "AVX2
+// hosts, again").
 void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>& active, const float* x, int64_t K,
                  const int8_t* w, const float* scale, int64_t N, float* y) {
   const ExpertTiles job = expert_tiles(offsets, active, x, K, w, scale, N, y, false);
