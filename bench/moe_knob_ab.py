@@ -23,9 +23,8 @@ import time
 
 import torch
 
-import gemv_bench  # noqa: F401  (puts the repository on sys.path)
+from gemv_bench import median_time, routings  # first: gemv_bench puts the repository on sys.path
 import glm5_ops
-from gemv_bench import routings
 from glm5_ops.int8 import pack_rows, packed_experts_pay
 from glm5_ops.memory import on_huge_pages
 from models.glm5 import preset
@@ -70,7 +69,7 @@ def main(argv=None) -> None:
     big = on_huge_pages(torch.randn(64 * 2**20))
 
     def bandwidth() -> float:
-        return big.nbytes / min(gemv_bench.median_time(lambda: big.sum(), 1, rounds=1) for _ in range(3)) / 1e9
+        return big.nbytes / min(median_time(lambda: big.sum(), 1, rounds=1) for _ in range(3)) / 1e9
 
     for T in (int(t) for t in a.T.split(",")):
         calls = routings(T, E, k, n_layers, expert_bytes)

@@ -37,10 +37,10 @@
 // - fused_moe_int8: a serial counting sort of the (token, slot) pairs by
 //   expert; when no expert has more than kGemvMaxRows rows (decode, T <= 16 with
 //   top-k spread), gate/up of all chosen experts in one parallel pass over
-//   (expert, 8-row tile) items split evenly between the threads (with AVX-512
-//   each item's rows read one after another: one sequential stream per thread;
-//   on VNNI the int8_vnni.h kernel, split by cost, the threads meeting in the
-//   middle (MeetPass), each making the digits of the token rows it reads),
+//   (expert, 8-row tile) items split between the threads by cost, the threads
+//   meeting in the middle (MeetPass; with AVX-512 each item's rows read one after
+//   another: one sequential stream per thread; on VNNI the int8_vnni.h kernel,
+//   each thread making the digits of the token rows it reads),
 //   silu(g)*u and its digits (each thread its experts' rows), then down likewise
 //   (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM by its row
 //   count. packed=True: the experts in int8_vnni.h's packed layout (16 rows a
@@ -78,8 +78,8 @@ namespace {
 constexpr int64_t kTileRows = gemv::kParallelTileRows;
 using gemv::kGemvMaxRows;   // at most this many activation rows take the GEMV path
 using gemv::kMinBytesPerThread;
-// Prefetched into L2 ahead of the VNNI decode's streams: a thread's run at its start
-// (MeetPass::run_worker) and an expert after a jump (ExpertTiles::run_digits).
+// Prefetched into L2 ahead of the decode's streams: a thread's run at its start
+// (MeetPass::run_worker) and, on VNNI, an expert after a jump (ExpertTiles::run_digits).
 constexpr int64_t kLeadBytes = 32 << 10;
 constexpr int64_t kJumpLeadBytes = 16 << 10;
 
@@ -191,6 +191,10 @@ struct ExpertTiles {
     return w + active[t / per_expert] * N * K + (t % per_expert) * rows * K;
   }
   int64_t tiles() const { return int64_t(active.size()) * per_expert; }
+  // The sorted rows of tile t's expert start at first_row(t) (t clamped to the last tile) and end
+  // before end_row(t).
+  int64_t first_row(int64_t t) const { return offsets[active[std::min(t, tiles() - 1) / per_expert]]; }
+  int64_t end_row(int64_t t) const { return offsets[active[t / per_expert] + 1]; }
   int64_t tile_bytes() const { return rows * std::max<int64_t>(K, 1); }
   // Tiles a thread should have at least: below kMinBytesPerThread a second thread costs more than it reads.
   int64_t grain() const { return std::max<int64_t>(1, kMinBytesPerThread / tile_bytes()); }
@@ -448,14 +452,12 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
 // One projection on the VNNI digits kernel (MeetPass), each worker making the digits of the
 // rows its tiles read as it comes to them (digits.fill).
 void digits_pass(const ExpertTiles& job, const RowsDigits& digits) {
-  const auto first_row = [&](int64_t t) { return job.offsets[job.active[std::min(t, job.tiles() - 1) / job.per_expert]]; };
-  const auto end_row = [&](int64_t t) { return job.offsets[job.active[t / job.per_expert] + 1]; };
   MeetPass(job, at::get_num_threads()).run([&](int64_t lo, int64_t hi) {
-    const int64_t ra = first_row(lo), rb = end_row(hi - 1);
+    const int64_t ra = job.first_row(lo), rb = job.end_row(hi - 1);
     // The rows whose digits are made, [fa, fb): from the first range's on, grown at either end
     // (its own run, then chunks upward from its end and downward from its start).
     return [&, ra, d = digits.alloc(ra, rb), fa = int64_t(-1), fb = int64_t(-1)](int64_t t0, int64_t t1) mutable {
-      const int64_t r0 = first_row(t0), r1 = end_row(t1 - 1);
+      const int64_t r0 = job.first_row(t0), r1 = job.end_row(t1 - 1);
       if (fb < 0) fa = fb = r0;
       if (r1 > fb) digits.fill(d, ra, std::max(r0, fb), r1), fb = r1;
       if (r0 < fa) digits.fill(d, ra, r0, std::min(r1, fa)), fa = r0;
