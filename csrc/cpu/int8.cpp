@@ -19,7 +19,7 @@
 //   weight bytes and activation row, against ~12 ops to widen the weights to
 //   fp32 and FMA them, which bound the decode paths below the memory
 //   bandwidth), combined in float64; each thread reads a contiguous range of
-//   weight rows, 4 side by side, prefetched into L2. Measured (bench/RESULTS.md,
+//   weight rows, 4 side by side, prefetched non-temporally. Measured (bench/RESULTS.md,
 //   "fused_moe_int8 decode"): fused_moe_int8 decode 1.15-1.3x, int8_linear
 //   M=1-2 1.2-1.65x, M=16 1.0-1.19x, M=4-8 0.72-1.17x (slower on K=2048 rows).
 //   Otherwise the GEMV tiles of gemv_tiles.h stream 8
@@ -42,7 +42,8 @@
 //   another: one sequential stream per thread; on VNNI the int8_vnni.h kernel,
 //   each thread making the digits of the token rows it reads),
 //   silu(g)*u and its digits (each thread its experts' rows), then down likewise
-//   (each chosen expert's int8 rows read once); otherwise per active expert GEMV or dequantise+GEMM by its row
+//   (each chosen expert's int8 rows read once; on VNNI both passes in one parallel
+//   region, decode_passes); otherwise per active expert GEMV or dequantise+GEMM by its row
 //   count. packed=True: the experts in int8_vnni.h's packed layout (16 rows a
 //   vector, a tile one 16-row group), which the VNNI decode pass reads as one
 //   stream per thread with no horizontal reductions; the other paths unpack what they read.
@@ -78,8 +79,8 @@ namespace {
 constexpr int64_t kTileRows = gemv::kParallelTileRows;
 using gemv::kGemvMaxRows;   // at most this many activation rows take the GEMV path
 using gemv::kMinBytesPerThread;
-// Prefetched into L2 ahead of the decode's streams: a thread's run at its start
-// (MeetPass::run_worker) and, on VNNI, an expert after a jump (ExpertTiles::run_digits).
+// Prefetched ahead of the decode's streams (ExpertTiles::prefetch): a thread's run at its
+// start (MeetPass::run_worker) and, on VNNI, an expert after a jump (ExpertTiles::run_digits).
 constexpr int64_t kLeadBytes = 32 << 10;
 constexpr int64_t kJumpLeadBytes = 16 << 10;
 
@@ -186,6 +187,7 @@ struct ExpertTiles {
   int64_t per_expert;   // tiles per expert
   int64_t ahead;        // prefetch distance in tiles (0: none)
   bool packed;          // w in vnni's packed layout (the digits path only)
+  bool nta = false;     // prefetch non-temporally (the digits path; see prefetch)
 
   const int8_t* tile_weights(int64_t t) const {
     return w + active[t / per_expert] * N * K + (t % per_expert) * rows * K;
@@ -228,7 +230,7 @@ struct ExpertTiles {
   // Each expert's run of tiles in one call (one stream, prefetched ahead within the expert).
   // Where the next expert of the run lies elsewhere in memory (not e + 1: at T = 1 and 4 nearly
   // every boundary), the hardware prefetcher restarts cold there: the next expert's first
-  // kJumpLeadBytes go to L2 as this expert's last tile starts. In-process on fast hours this took
+  // kJumpLeadBytes are prefetched as this expert's last tile starts. In-process on fast hours this took
   // T = 1 / 4 from 69-71 / 79-81% to 71-73 / 82-84% of the read bandwidth, slow hours +6-14
   // points; 8 KiB gained in one build and not in another, 12-16 KiB in every run; at T = 16, where
   // most boundaries are contiguous, level (bench/RESULTS.md, "A lead at each jump").
@@ -258,12 +260,19 @@ struct ExpertTiles {
 
 #endif
 
-  // The first `bytes` from tile t on, within its expert, into L2.
+  // The first `bytes` from tile t on, within its expert: into L2 (T1), or where nta
+  // non-temporally (NTA), as the digits kernel prefetches its stream (int8_vnni.h,
+  // kPrefetchBytes): in-process on a Zen 4 these leads as NTA read 1.027x at T = 1, 1.01x at
+  // T = 4 and 16 over T1 (bench/RESULTS.md, "Non-temporal prefetch"). The fp32 tiles keep T1
+  // (they run on AVX2 hosts, where NTA has not been measured).
   void prefetch(int64_t t, int64_t bytes) const {
     const int8_t* p = tile_weights(t);
     const int8_t* expert_end = w + (active[t / per_expert] + 1) * N * K;
     const int64_t n = std::min<int64_t>(bytes, expert_end - p);
-    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 2);   // 2: _MM_HINT_T1
+    if (nta)
+      for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 0);   // 0: _MM_HINT_NTA
+    else
+      for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 2);   // 2: _MM_HINT_T1
   }
 
   // Portable path: gemv_tiles.h's tiles, 8 rows side by side, prefetching across experts.
@@ -404,13 +413,16 @@ class MeetPass {
     });
   }
 
- private:
+  int64_t workers() const { return workers_; }
+
+  // Worker w's share (none where w >= workers()).
   template <typename Begin>
   void run_worker(int64_t w, const Begin& begin) {
+    if (w >= workers_) return;
     const int64_t lo = first_[w] - margin_[w], hi = first_[w + 1] + margin_[w + 1];   // all it may take
     const int64_t s0 = first_[w] + margin_[w], s1 = first_[w + 1] - margin_[w + 1];   // its own run
     if (lo >= hi) return;
-    // The first kLeadBytes of its own run into L2: memory idles while a thread makes its first
+    // The first kLeadBytes of its own run prefetched: memory idles while a thread makes its first
     // digits (1-3 us at T = 1, 10-25 us at T = 16). In-process on fast hours 32 KiB took the VNNI
     // pass at T = 1 / 4 / 16 from 75 / 87 / 76% to 78 / 90 / 77% of the read bandwidth; 96 KiB less,
     // into L1 (T0) less still (bench/RESULTS.md, "A lead before the digits"). Only the run's start:
@@ -449,20 +461,72 @@ void expert_gemv(const std::vector<int64_t>& offsets, const std::vector<int64_t>
 }
 
 #if defined(__AVX512F__)
-// One projection on the VNNI digits kernel (MeetPass), each worker making the digits of the
-// rows its tiles read as it comes to them (digits.fill).
-void digits_pass(const ExpertTiles& job, const RowsDigits& digits) {
-  MeetPass(job, at::get_num_threads()).run([&](int64_t lo, int64_t hi) {
+// What runs a worker's ranges of one projection on the VNNI digits kernel (MeetPass's
+// `begin`), the worker making the digits of the rows its tiles read as it comes to them
+// (digits.fill). before(t0, t1) runs ahead of a range's digits, after(t0, t1) once its tiles ran.
+template <typename Before, typename After>
+auto digits_worker(const ExpertTiles& job, const RowsDigits& digits, Before before, After after) {
+  return [&job, &digits, before, after](int64_t lo, int64_t hi) {
     const int64_t ra = job.first_row(lo), rb = job.end_row(hi - 1);
     // The rows whose digits are made, [fa, fb): from the first range's on, grown at either end
     // (its own run, then chunks upward from its end and downward from its start).
-    return [&, ra, d = digits.alloc(ra, rb), fa = int64_t(-1), fb = int64_t(-1)](int64_t t0, int64_t t1) mutable {
+    return [&job, &digits, before, after, ra, d = digits.alloc(ra, rb), fa = int64_t(-1),
+            fb = int64_t(-1)](int64_t t0, int64_t t1) mutable {
+      before(t0, t1);
       const int64_t r0 = job.first_row(t0), r1 = job.end_row(t1 - 1);
       if (fb < 0) fa = fb = r0;
       if (r1 > fb) digits.fill(d, ra, std::max(r0, fb), r1), fb = r1;
       if (r0 < fa) digits.fill(d, ra, r0, std::min(r1, fa)), fa = r0;
       job.run_digits(d, t0, t1);
+      after(t0, t1);
     };
+  };
+}
+
+// The tiles of an expert's gate/up rows done so far (a line of its own: both threads may count).
+struct alignas(64) TilesDone {
+  std::atomic<int64_t> n{0};
+};
+
+// The decode's gate/up and down passes (both MeetPass plans, split at the same expert) in one
+// parallel region: a worker goes on to its down tiles as soon as its gate/up tiles are done,
+// each down range first waiting until its experts' gate/up tiles are all done (by either
+// thread: around the split they meet). One fork and join a call instead of two, and no
+// thread idles between the passes. A thread runs all its gate/up work before any down work,
+// and gate/up work never waits, so a range's wait ends, also where parallel_for runs the
+// workers one after another on one thread.
+void decode_passes(const ExpertTiles& gate_up, const RowsDigits& token_digits, const ExpertTiles& down,
+                   const RowsDigits& silu_digits) {
+  const int64_t threads = at::get_num_threads();
+  MeetPass first(gate_up, threads), second(down, threads);
+  std::vector<TilesDone> done(gate_up.active.size());
+  std::atomic<bool> failed{false};   // a gate/up worker threw: the waits give up
+  const auto experts = [](const ExpertTiles& job, int64_t t0, int64_t t1, auto&& f) {
+    for (int64_t i = t0 / job.per_expert; i <= (t1 - 1) / job.per_expert; ++i)
+      f(i, std::min(t1, (i + 1) * job.per_expert) - std::max(t0, i * job.per_expert));
+  };
+  const auto count = [&](int64_t t0, int64_t t1) {
+    experts(gate_up, t0, t1, [&](int64_t i, int64_t n) { done[i].n.fetch_add(n, std::memory_order_release); });
+  };
+  const auto wait = [&](int64_t t0, int64_t t1) {
+    experts(down, t0, t1, [&](int64_t i, int64_t) {
+      while (done[i].n.load(std::memory_order_acquire) < gate_up.per_expert) {
+        TORCH_CHECK(!failed.load(std::memory_order_relaxed), "fused_moe_int8: the gate/up pass failed");
+        _mm_pause();
+      }
+    });
+  };
+  const auto nothing = [](int64_t, int64_t) {};
+  const auto begin_gate_up = digits_worker(gate_up, token_digits, nothing, count);
+  const auto begin_down = digits_worker(down, silu_digits, wait, nothing);
+  at::parallel_for(0, std::max(first.workers(), second.workers()), 1, [&](int64_t w0, int64_t w1) {
+    try {
+      for (int64_t w = w0; w < w1; ++w) first.run_worker(w, begin_gate_up);
+    } catch (...) {
+      failed.store(true);
+      throw;
+    }
+    for (int64_t w = w0; w < w1; ++w) second.run_worker(w, begin_down);
   });
 }
 #endif
@@ -732,8 +796,8 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
                                       return d;
                                     },
                                     [](vnni::ActDigits&, int64_t, int64_t, int64_t) {}};   // all T made at once
-      const ExpertTiles gate_up = expert_tiles(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(),
-                                               I2, h.data_ptr<float>(), packed);
+      ExpertTiles gate_up = expert_tiles(offsets, active, xp, D, wgu.data_ptr<int8_t>(), gus.data_ptr<float>(), I2,
+                                         h.data_ptr<float>(), packed);
       // a = silu(g) * u and its digits, made in the down pass by the thread that reads them:
       // the rows of its experts, whose h rows it wrote itself in the gate/up pass (both
       // passes split the same expert list at the same point, weighted_split), except around
@@ -756,10 +820,10 @@ at::Tensor fused_moe_int8(const at::Tensor& x_in, const at::Tensor& w_gate_up_in
                                        swiglu<float>(hp + r * I2, hp + r * I2 + I, d.own_rows.data() + (r - ra) * I, I);
                                      vnni::fill_digits(d, r0 - ra, r1 - ra);
                                    }};
-      const ExpertTiles down = expert_tiles(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D,
-                                            ys, packed);
-      digits_pass(gate_up, token_digits);
-      digits_pass(down, silu_digits);
+      ExpertTiles down = expert_tiles(offsets, active, nullptr, I, wd.data_ptr<int8_t>(), ds.data_ptr<float>(), D, ys,
+                                      packed);
+      gate_up.nta = down.nta = true;
+      decode_passes(gate_up, token_digits, down, silu_digits);
     } else
 #endif
     {

@@ -251,7 +251,7 @@ GLM5_VNNI_TARGET inline void dot_digits(const int8_t* const* q, int64_t Kp, cons
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) {
       wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w[j] + k), flip);
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 64 * NB + j) * 64), _MM_HINT_T1);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + (k / 64 * NB + j) * 64), _MM_HINT_NTA);
     }
     for (int m = 0; m < MB; ++m)
       for (int d = 0; d < kDigits; ++d) {
@@ -304,10 +304,13 @@ GLM5_VNNI_TARGET __attribute__((noinline)) inline void rows_digits(const ActDigi
                                                                    int64_t ldy) {
   constexpr int kNB = 4;
   const int64_t K = a.K, Kp = a.Kp;
-  // A later block is prefetched into L2 (one line per line read, with the first
-  // activation row), at least kPrefetchBytes ahead: at M > 1 the block is worked on M
-  // times, too slowly for the hardware prefetcher (measured 1.5-2x slower at M = 4 and
-  // 16 without it); into L1 it evicted the digit rows (M = 4 another 1.5x slower).
+  // A later block is prefetched (one line per line read, with the first activation row),
+  // at least kPrefetchBytes ahead: at M > 1 the block is worked on M times, too slowly for
+  // the hardware prefetcher (measured 1.5-2x slower at M = 4 and 16 without it); into L1
+  // (T0) it evicted the digit rows (M = 4 another 1.5x slower). Non-temporal (NTA), as
+  // group_digits: against T1, in-process on a Zen 4, int8_linear 2048 x 1024 and 1024 x
+  // 4096 at M = 1 read 1.09-1.10x and at M = 4 1.09-1.11x (bench/RESULTS.md,
+  // "Non-temporal prefetch").
   const int64_t ahead = kNB * ((kPrefetchBytes + kNB * K - 1) / (kNB * K));
   alignas(16) uint32_t out[kDigits * 4];
   for (int64_t n = n0; n < n1; n += kNB) {
@@ -374,15 +377,19 @@ GLM5_VNNI_TARGET inline void group_digits(const int8_t* const* q, int64_t Kp, co
   // (a helper, not a lambda: a lambda does not carry the target attribute, and dpbusd_bcast
   // would then not inline into it)
   for (int64_t c = 0; c < chunks; ++c) {
-    // From two activation rows on the products outrun the read: long stretches in which
-    // the demand loads, and the hardware prefetcher that follows them, come too slowly to
-    // keep memory busy. A prefetch kPrefetchBytes ahead (up to the run's end) keeps it
-    // going; at one row the loop is the read and a prefetch only costs (bench/RESULTS.md,
-    // "Prefetch where the products outrun the read").
-    if constexpr (MB >= 2) {
-      const int8_t* p = g + c * 64 + kPrefetchBytes;
-      if (p < end) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
-    }
+    // A prefetch kPrefetchBytes ahead (up to the run's end), non-temporal. From two
+    // activation rows on the products outrun the read, and the demand loads with the
+    // hardware prefetcher behind them come too slowly to keep memory busy: a prefetch into
+    // L2 (T1) helped there and cost at one row ("Prefetch where the products outrun the
+    // read"). As NTA it pays at one row too: in-process on a Zen 4, against T1 from two rows
+    // and none at one, T = 1 / 4 / 16 read 1.09-1.11x / 1.14x / 1.06x, fast hours 88 / 93 /
+    // 83% of the sum (NTA from two rows alone +1.4% at T = 16); 2 / 4 / 12 / 16 KiB ahead
+    // less than 8 (bench/RESULTS.md, "Non-temporal prefetch"). Our reading (not measured
+    // apart): a line fetched NTA is not kept in L2 and, on its eviction, not written to the
+    // L3, which on Zen is the L2's victim cache; the stream then leaves the rest of the call
+    // (and the caller's code and data) in the caches and spares the L2-to-L3 traffic.
+    const int8_t* p = g + c * 64 + kPrefetchBytes;
+    if (p < end) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA);
     group_step<MB>(acc, _mm512_xor_si512(_mm512_loadu_si512(g + c * 64), flip), q, Kp, c * kPackChunk);
   }
   if (tail) {   // the rows' tails, one lane each (the digits past K are 0, so are the products)
