@@ -263,8 +263,8 @@ struct ExpertTiles {
   // The first `bytes` from tile t on, within its expert: into L2 (T1), or where nta
   // non-temporally (NTA), as the digits kernel prefetches its stream (int8_vnni.h,
   // kPrefetchBytes): in-process on a Zen 4 these leads as NTA read 1.027x at T = 1, 1.01x at
-  // T = 4 and 16 over T1 (bench/RESULTS.md, "Non-temporal prefetch"). The fp32 tiles keep T1
-  // (they run on AVX2 hosts, where NTA has not been measured).
+  // T = 4 and 16 over T1 (bench/RESULTS.md, "Non-temporal prefetch"). The fp32 tiles keep T1:
+  // an AVX2 build on the same Zen 4 read level with NTA (1.003-1.005x, leads and tiles).
   void prefetch(int64_t t, int64_t bytes) const {
     const int8_t* p = tile_weights(t);
     const int8_t* expert_end = w + (active[t / per_expert] + 1) * N * K;
