@@ -381,10 +381,10 @@ GLM5_VNNI_TARGET inline void group_digits(const int8_t* const* q, int64_t Kp, co
     // activation rows on the products outrun the read, and the demand loads with the
     // hardware prefetcher behind them come too slowly to keep memory busy: a prefetch into
     // L2 (T1) helped there and cost at one row ("Prefetch where the products outrun the
-    // read"). As NTA it pays at one row too: in-process on a Zen 4, against T1 from two rows
-    // and none at one, T = 1 / 4 / 16 read 1.09-1.11x / 1.14x / 1.06x, fast hours 88 / 93 /
-    // 83% of the sum (NTA from two rows alone +1.4% at T = 16); 2 / 4 / 12 / 16 KiB ahead
-    // less than 8 (bench/RESULTS.md, "Non-temporal prefetch"). Our reading (not measured
+    // read"). As NTA it pays at one row too: in-process on a Zen 4, against none at one row,
+    // T = 1 / 4 read 1.11x / 1.14x with 4 KiB ahead and 8 KiB another 1.09x over that; T = 16
+    // 1.06x with 8 KiB (NTA from two rows, in place of T1, +1.4% of it); fast hours 88 / 93 /
+    // 83% of the sum; 2 / 12 / 16 KiB less than 8 (bench/RESULTS.md, "Non-temporal prefetch"). Our reading (not measured
     // apart): a line fetched NTA is not kept in L2 and, on its eviction, not written to the
     // L3, which on Zen is the L2's victim cache; the stream then leaves the rest of the call
     // (and the caller's code and data) in the caches and spares the L2-to-L3 traffic.
