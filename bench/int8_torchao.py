@@ -91,7 +91,7 @@ def probe_experts(model) -> dict:
     out = {}
     m = copy.deepcopy(model)
     try:
-        quantize_(m, configs["wo"](), filter_fn=lambda mod, fqn: isinstance(mod, Experts))
+        quantize_(m, configs["wo"], filter_fn=lambda mod, fqn: isinstance(mod, Experts))
         out["quantize_ on Experts"] = "ok"
     except Exception as e:  # noqa: BLE001 - the error is what is reported
         out["quantize_ on Experts"] = f"{type(e).__name__}: {e}"
@@ -100,7 +100,7 @@ def probe_experts(model) -> dict:
         for mod in m.modules():
             if isinstance(mod, Experts):
                 for name in ("gate_up_proj", "down_proj"):
-                    _int8_weight_only_transform(mod, configs["wo"](), parameter_name=name)
+                    _int8_weight_only_transform(mod, configs["wo"], parameter_name=name)
         out["Int8Tensor on the 3-D expert weights"] = "ok"
         with torch.no_grad():
             m(torch.randint(0, m.config.vocab_size, (1, 8)))
