@@ -41,7 +41,8 @@ using bf16_bits = uint16_t;   // bf16 as stored: the high half of an fp32
 // multiple of 32.
 // Weight rows of at most this many bytes get a later tile prefetched by
 // software (see rows()); longer rows stream well enough on their own, and the
-// extra prefetches measured a few % slower there (noisy shared host).
+// extra prefetches measured a few % slower there (noisy shared host), except the
+// one-row path's rows (kOneRowMaxRowBytes) with AVX-512, prefetched non-temporally.
 constexpr int64_t kPrefetchMaxRowBytes = 2048;
 constexpr int64_t kPrefetchMinBytes = 8192;   // 8 KiB ahead measured best of 1 tile, 8, 16 and 32 KiB
 // One fp32 activation row against weight rows longer than kPrefetchMaxRowBytes and at most
@@ -74,7 +75,13 @@ inline void tile(const float* const* x, const float* const* w, int64_t K, float 
     __m512 wv[NB];
     for (int n = 0; n < NB; ++n) {
       wv[n] = _mm512_loadu_ps(w[n] + k);
-      if (pf) _mm_prefetch(pf + (k / 16 * NB + n) * 64, _MM_HINT_T0);
+      // One row (NB = 1: only the one-row path prefetches it): non-temporal, 1.09-1.15x on
+      // 1024- and 5632-row matrices of 4 KiB rows against no prefetch; 8-row tiles of 2 KiB
+      // rows keep T0 (NTA 0.95x there; bench/RESULTS.md, "Non-temporal prefetch").
+      if (pf) {
+        if constexpr (NB == 1) _mm_prefetch(pf + (k / 16 * NB + n) * 64, _MM_HINT_NTA);
+        else _mm_prefetch(pf + (k / 16 * NB + n) * 64, _MM_HINT_T0);
+      }
     }
     for (int m = 0; m < MB; ++m) {
       const __m512 xv = _mm512_loadu_ps(x[m] + k);
@@ -145,7 +152,8 @@ inline void tile(const float* const* x, const bf16_bits* const* w, int64_t K, fl
   for (; k + 32 <= K; k += 32)   // plain loads: a masked 16-bit load measured slower on full blocks
     for (int n = 0; n < NB; ++n) {
       pair(n, _mm512_loadu_si512(w[n] + k), k);
-      if (pf) _mm_prefetch(pf + (k / 32 * NB + n) * 64, _MM_HINT_T0);
+      // non-temporal: 1.02-1.04x against T0 (bench/RESULTS.md, "Non-temporal prefetch")
+      if (pf) _mm_prefetch(pf + (k / 32 * NB + n) * 64, _MM_HINT_NTA);
     }
   if (k < K) {
     const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1u);
@@ -347,11 +355,16 @@ void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, const f
       const float* xr[4];
       for (int j = 0; j < mb; ++j) xr[j] = x + (m0 + j) * ldx;
       // The next tile's rows (contiguous) are prefetched one line per line read:
-      // rows of a few KiB are too short a stream for the hardware prefetcher.
+      // rows of a few KiB are too short a stream for the hardware prefetcher, and the
+      // one-row path's single stream gains from it too (as NTA: see tile).
       // The distance is at least kPrefetchMinBytes, so tiles of short rows look several tiles ahead.
-      const bool short_rows = K > 0 && K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes;
-      const int64_t ahead = short_rows ? NB * ((kPrefetchMinBytes / int64_t(sizeof(W)) + NB * K - 1) / (NB * K)) : 0;
-      const bool prefetch = m0 == 0 && short_rows && n + NB + ahead <= n1;
+#if defined(__AVX512F__)
+      const bool ahead_pays = K > 0 && (K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes || one_row);
+#else   // measured with AVX-512 only
+      const bool ahead_pays = K > 0 && K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes;
+#endif
+      const int64_t ahead = ahead_pays ? NB * ((kPrefetchMinBytes / int64_t(sizeof(W)) + NB * K - 1) / (NB * K)) : 0;
+      const bool prefetch = m0 == 0 && ahead_pays && n + NB + ahead <= n1;
       if (nb == NB)
         tile_any(NB, mb, xr, wr, K, out, prefetch ? reinterpret_cast<const char*>(w + (n + ahead) * K) : nullptr);
       else
