@@ -345,6 +345,17 @@ void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, const f
   const bool one_row = std::is_same_v<W, float> && M == 1 && row_bytes > kPrefetchMaxRowBytes &&
                        row_bytes <= kOneRowMaxRowBytes;   // same single chain per (m, n): same bits
   const int NB = one_row ? 1 : wide ? 8 : 4, MBmax = wide ? 2 : 4;
+  // The next tile's rows (contiguous) are prefetched one line per line read: rows of a
+  // few KiB are too short a stream for the hardware prefetcher, and with AVX-512 (where
+  // it was measured) the one-row path's single stream gains from it too (as NTA: see
+  // tile). The distance is at least kPrefetchMinBytes, so tiles of short rows look
+  // several tiles ahead.
+#if defined(__AVX512F__)
+  const bool ahead_pays = K > 0 && (row_bytes <= kPrefetchMaxRowBytes || one_row);
+#else
+  const bool ahead_pays = K > 0 && row_bytes <= kPrefetchMaxRowBytes;
+#endif
+  const int64_t ahead = ahead_pays ? NB * ((kPrefetchMinBytes / int64_t(sizeof(W)) + NB * K - 1) / (NB * K)) : 0;
   float out[8][4];
   for (int64_t n = n0; n < n1; n += NB) {
     const int nb = n1 - n < NB ? int(n1 - n) : NB;
@@ -354,16 +365,6 @@ void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const W* w, const f
       const int mb = M - m0 < MBmax ? int(M - m0) : MBmax;
       const float* xr[4];
       for (int j = 0; j < mb; ++j) xr[j] = x + (m0 + j) * ldx;
-      // The next tile's rows (contiguous) are prefetched one line per line read:
-      // rows of a few KiB are too short a stream for the hardware prefetcher, and the
-      // one-row path's single stream gains from it too (as NTA: see tile).
-      // The distance is at least kPrefetchMinBytes, so tiles of short rows look several tiles ahead.
-#if defined(__AVX512F__)
-      const bool ahead_pays = K > 0 && (K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes || one_row);
-#else   // measured with AVX-512 only
-      const bool ahead_pays = K > 0 && K * int64_t(sizeof(W)) <= kPrefetchMaxRowBytes;
-#endif
-      const int64_t ahead = ahead_pays ? NB * ((kPrefetchMinBytes / int64_t(sizeof(W)) + NB * K - 1) / (NB * K)) : 0;
       const bool prefetch = m0 == 0 && ahead_pays && n + NB + ahead <= n1;
       if (nb == NB)
         tile_any(NB, mb, xr, wr, K, out, prefetch ? reinterpret_cast<const char*>(w + (n + ahead) * K) : nullptr);
